@@ -1,0 +1,1 @@
+"""specjax: speculative decoding for LLMs in JAX, with vLLM's offline API."""

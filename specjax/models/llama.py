@@ -1,0 +1,116 @@
+"""The Llama-family causal LM (Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM2) as a Flax NNX module.
+
+Decoder layers are stored stacked on a leading layer axis and run with one `lax.scan`, so compile time does
+not grow with depth. Each forward pass writes the K/V of its T tokens into the cache and attends over it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.kernels.attention import attention
+from specjax.models.kv_cache import KVCache, write_layer
+from specjax.models.layers import apply_rope, rms_norm, rope_inv_freq, swiglu_mlp
+from specjax.models.model_config import ModelConfig
+
+
+def _init(rngs: nnx.Rngs, shape: Sequence[int], dtype) -> nnx.Param:
+    return nnx.Param((0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+
+
+def _ones(shape: Sequence[int], dtype) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, dtype))
+
+
+class DecoderLayers(nnx.Module):
+    """All decoder layers' weights, each leaf stacked on axis 0 over layers; matrices stored [in, out]."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        L, H, I, D = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
+        self.attn_norm, self.mlp_norm = _ones((L, H), dtype), _ones((L, H), dtype)
+        self.wq, self.wk, self.wv = _init(rngs, (L, H, q), dtype), _init(rngs, (L, H, kv), dtype), _init(rngs, (L, H, kv), dtype)
+        self.wo = _init(rngs, (L, q, H), dtype)
+        if cfg.attention_bias:
+            self.bq, self.bk, self.bv = _init(rngs, (L, q), dtype), _init(rngs, (L, kv), dtype), _init(rngs, (L, kv), dtype)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = _ones((L, D), dtype), _ones((L, D), dtype)
+        self.w_gate, self.w_up = _init(rngs, (L, H, I), dtype), _init(rngs, (L, H, I), dtype)
+        self.w_down = _init(rngs, (L, I, H), dtype)
+
+    def stacked(self) -> dict[str, jax.Array]:
+        return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardAux:
+    """Extra outputs: the residual stream entering each requested layer, concatenated on the last axis."""
+    captured: jax.Array | None
+
+
+class LlamaForCausalLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, attention_impl: str = "auto"):
+        self.cfg = cfg
+        self.attention_impl = attention_impl
+        self.embed = _init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
+        self.layers = DecoderLayers(cfg, dtype, rngs)
+        self.final_norm = _ones((cfg.hidden_size,), dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _init(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+
+    def __call__(self, tokens: jax.Array, start: jax.Array, cache: KVCache,
+                 capture_layers: tuple[int, ...] = ()) -> tuple[jax.Array, KVCache, ForwardAux]:
+        """Run T tokens per row [B, T] at positions start[b] .. start[b]+T-1.
+
+        Returns the final-normed hidden states [B, T, H], the cache with these tokens' K/V written, and the
+        residual stream entering each layer of `capture_layers` (EAGLE-3 reads those).
+        """
+        T = tokens.shape[1]
+        positions = start[:, None] + jnp.arange(T, dtype=start.dtype)[None, :]
+        h = self.embed[...][tokens]
+        layer_fn = self._layer_fn(positions, start)
+        (h, k, v), entering = jax.lax.scan(
+            layer_fn, (h, cache.k, cache.v),
+            (self.layers.stacked(), jnp.arange(self.cfg.num_layers, dtype=jnp.int32)))
+        captured = None
+        if capture_layers:
+            captured = jnp.concatenate([entering[i] for i in capture_layers], axis=-1)
+        hidden = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
+        return hidden, KVCache(k, v), ForwardAux(captured)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Vocabulary logits in fp32 for final-normed hidden states [..., H]."""
+        head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
+
+    def _layer_fn(self, positions: jax.Array, start: jax.Array):
+        cfg, impl = self.cfg, self.attention_impl
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        B, T = positions.shape
+
+        def heads(x: jax.Array, n: int) -> jax.Array:
+            return x.reshape(B, T, n, cfg.head_dim)
+
+        def layer(carry, xs):
+            h, k_cache, v_cache = carry
+            w, i = xs
+            x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
+            q, k, v = x @ w["wq"], x @ w["wk"], x @ w["wv"]
+            if cfg.attention_bias:
+                q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+            q, k, v = heads(q, cfg.num_heads), heads(k, cfg.num_kv_heads), heads(v, cfg.num_kv_heads)
+            if cfg.qk_norm:
+                q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+            k_cache, v_cache = write_layer(k_cache, i, k, start), write_layer(v_cache, i, v, start)
+            o = attention(q, k_cache, v_cache, i, start, scale=cfg.head_dim ** -0.5, impl=impl)
+            h_attn = h + o.reshape(B, T, -1) @ w["wo"]
+            out = h_attn + swiglu_mlp(rms_norm(h_attn, w["mlp_norm"], cfg.rms_norm_eps),
+                                      w["w_gate"], w["w_up"], w["w_down"])
+            return (out, k_cache, v_cache), h
+
+        return layer
