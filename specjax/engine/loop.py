@@ -1,0 +1,161 @@
+"""One jitted call per wave of requests: batched prefill, then ONE lax.while_loop of
+propose -> verify -> accept -> commit. Plain decoding is the same loop with k = 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.engine import sampling
+from specjax.engine.proposers.base import Proposer
+from specjax.engine.rejection import rejection_sample
+from specjax.engine.state import LoopState, RowParams, SpecCounters
+from specjax.models.kv_cache import init_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSpec:
+    """What a compiled loop is specialised on (besides array shapes)."""
+    k: int                      # speculative tokens per step (0 = plain decoding)
+    n_top: int                  # top logprobs kept per generated token
+    max_model_len: int
+    synthetic_rates: tuple[float, ...] | None = None  # benchmark-only acceptance, see rejection.py
+
+
+def build_generate(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpec) -> Callable:
+    """A pure function (target_state, draft_state, prompt_tokens [B,P], prompt_lengths [B], rows, cache_len)
+    -> final LoopState. `cache_len` is static: the wave's KV/token buffer length."""
+
+    def generate(target_state, draft_state, prompt_tokens, prompt_lengths, rows: RowParams, cache_len: int):
+        target = nnx.merge(target_graph, target_state)
+        state = _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec)
+        step = _step_fn(target, proposer, draft_state, rows, spec)
+        return jax.lax.while_loop(lambda s: jnp.any(~s.done), step, state)
+
+    return generate
+
+
+def _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec) -> LoopState:
+    B, P = prompt_tokens.shape
+    cfg = target.cfg
+    cache = init_cache(cfg, B, cache_len, target.embed[...].dtype)
+    hidden, cache, _ = target(prompt_tokens, jnp.zeros((B,), jnp.int32), cache)
+    last_hidden = hidden[jnp.arange(B), prompt_lengths - 1][:, None]  # [B, 1, H]
+    raw_logits = target.logits(last_hidden)
+    logits = _mask_stop_ids(raw_logits, rows, generated=jnp.zeros((B,), jnp.int32))
+    first = sampling.sample(logits[:, 0], rows.temperature, rows.top_k, rows.top_p, rows.min_p,
+                            rows.seed, prompt_lengths)
+    tokens = jnp.zeros((B, cache_len), jnp.int32).at[:, :P].set(prompt_tokens)
+    state = LoopState(
+        tokens=tokens, lengths=prompt_lengths, prompt_lengths=prompt_lengths,
+        logprobs=jnp.zeros((B, cache_len), jnp.float32),
+        top_ids=jnp.zeros((B, cache_len, spec.n_top), jnp.int32),
+        top_logprobs=jnp.zeros((B, cache_len, spec.n_top), jnp.float32),
+        done=jnp.zeros((B,), bool), cache=cache,
+        proposer=proposer.init(draft_state, prompt_tokens, prompt_lengths, cache_len),
+        counters=SpecCounters(*(jnp.zeros((B,), jnp.int32) for _ in range(3)),
+                              jnp.zeros((B, spec.k), jnp.int32)),
+        steps=jnp.zeros((), jnp.int32))
+    return _commit(state, first[:, None], jnp.ones((B,), jnp.int32), raw_logits, rows, spec)
+
+
+def _step_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec):
+    k = spec.k
+
+    def step(state: LoopState) -> LoopState:
+        B = state.lengths.shape[0]
+        budget = _budget(state, rows, spec)
+        drafts, draft_probs, proposer_state = proposer.propose(draft_state, state.proposer, state.tokens,
+                                                               state.lengths, rows)
+        drafts = _clamp_drafts(drafts, budget, k)
+        last = state.tokens[jnp.arange(B), state.lengths - 1]
+        verify_tokens = jnp.concatenate([last[:, None], jnp.maximum(drafts, 0)], axis=1)
+        hidden, cache, _ = target(verify_tokens, state.lengths - 1, state.cache)
+        raw_logits = target.logits(hidden)  # [B, k+1, V]
+        logits = _mask_stop_ids(raw_logits, rows, generated=state.lengths - state.prompt_lengths)
+        out, accepted = _verify(logits, drafts, draft_probs, rows, state.lengths, spec)
+        active = ~state.done
+        state = dataclasses.replace(state, cache=cache, proposer=proposer_state,
+                                    counters=_count(state.counters, drafts, accepted, active),
+                                    steps=state.steps + 1)
+        return _commit(state, out, accepted + 1, raw_logits, rows, spec)
+
+    return step
+
+
+def _verify(logits, drafts, draft_probs, rows: RowParams, position, spec: LoopSpec):
+    """Output tokens [B, k+1] and accepted counts; with k = 0 this is plain sampling."""
+    if spec.k == 0:
+        token = sampling.sample(logits[:, 0], rows.temperature, rows.top_k, rows.top_p, rows.min_p,
+                                rows.seed, position)
+        return token[:, None], jnp.zeros_like(position)
+    rates = None if spec.synthetic_rates is None else jnp.asarray(spec.synthetic_rates, jnp.float32)
+    return rejection_sample(logits, drafts, draft_probs, rows.temperature, rows.top_k, rows.top_p,
+                            rows.min_p, rows.seed, position, synthetic_rates=rates)
+
+
+def _budget(state: LoopState, rows: RowParams, spec: LoopSpec) -> jax.Array:
+    """Tokens each row may still emit: max_tokens and max_model_len both bound it; 0 for finished rows."""
+    generated = state.lengths - state.prompt_lengths
+    left = jnp.minimum(rows.max_tokens - generated, spec.max_model_len - state.lengths)
+    return jnp.where(state.done, 0, jnp.maximum(left, 0))
+
+
+def _clamp_drafts(drafts: jax.Array, budget: jax.Array, k: int) -> jax.Array:
+    """A step emits accepted drafts + 1, so at most budget - 1 drafts can be used; the rest become -1,
+    as does everything after a row's first missing draft."""
+    allowed = jnp.clip(budget - 1, 0, k)
+    pos = jnp.arange(k)[None, :]
+    drafts = jnp.where(pos < allowed[:, None], drafts, -1)
+    missing_before = jnp.cumsum(drafts < 0, axis=1) > 0
+    return jnp.where(missing_before, -1, drafts)
+
+
+def _mask_stop_ids(logits: jax.Array, rows: RowParams, generated: jax.Array) -> jax.Array:
+    """min_tokens: a stop id cannot be produced at output index < min_tokens (vLLM masks its logit)."""
+    B, T, V = logits.shape
+    too_early = (generated[:, None] + jnp.arange(T)[None, :]) < rows.min_tokens[:, None]  # [B, T]
+    is_stop = jnp.zeros((B, V), bool).at[
+        jnp.arange(B)[:, None], jnp.maximum(rows.stop_ids, 0)].max(rows.stop_ids >= 0)
+    return jnp.where(too_early[:, :, None] & is_stop[:, None, :], -jnp.inf, logits)
+
+
+def _commit(state: LoopState, out: jax.Array, candidates: jax.Array, raw_logits: jax.Array,
+            rows: RowParams, spec: LoopSpec) -> LoopState:
+    """Append each row's first n_emit tokens of `out` [B, T]: the candidates, cut after a stop id and at the
+    budget. Rejected drafts are never written, so rejection is only a length update."""
+    B, T = out.shape
+    idx = jnp.arange(T)[None, :]
+    budget = _budget(state, rows, spec)
+    is_stop = jnp.any(out[:, :, None] == jnp.where(rows.stop_ids >= 0, rows.stop_ids, -2)[:, None, :], axis=-1)
+    is_stop &= idx < candidates[:, None]
+    first_stop = jnp.where(jnp.any(is_stop, 1), jnp.argmax(is_stop, 1), T)
+    n_emit = jnp.minimum(jnp.minimum(candidates, first_stop + 1), budget)
+    slots = jnp.where(idx < n_emit[:, None], state.lengths[:, None] + idx, state.tokens.shape[1])  # OOB = drop
+    rows_idx = jnp.arange(B)[:, None]
+    logp = jax.nn.log_softmax(raw_logits, axis=-1)
+    chosen = jnp.take_along_axis(logp, jnp.maximum(out, 0)[..., None], axis=-1)[..., 0]
+    top_lp, top_ids = jax.lax.top_k(logp, spec.n_top)
+    return dataclasses.replace(
+        state,
+        tokens=state.tokens.at[rows_idx, slots].set(out, mode="drop"),
+        logprobs=state.logprobs.at[rows_idx, slots].set(chosen, mode="drop"),
+        top_ids=state.top_ids.at[rows_idx, slots].set(top_ids, mode="drop"),
+        top_logprobs=state.top_logprobs.at[rows_idx, slots].set(top_lp, mode="drop"),
+        lengths=state.lengths + n_emit,
+        done=state.done | (first_stop < n_emit) | (n_emit >= budget))
+
+
+def _count(c: SpecCounters, drafts: jax.Array, accepted: jax.Array, active: jax.Array) -> SpecCounters:
+    """vLLM's counters: a step with at least one draft token is one draft."""
+    proposed = jnp.sum(drafts >= 0, axis=1) * active
+    accepted = accepted * active
+    return SpecCounters(
+        num_drafts=c.num_drafts + (proposed > 0),
+        num_draft_tokens=c.num_draft_tokens + proposed,
+        num_accepted=c.num_accepted + accepted,
+        accepted_per_pos=c.accepted_per_pos + (jnp.arange(c.accepted_per_pos.shape[1])[None] < accepted[:, None]))

@@ -1,0 +1,57 @@
+"""draft_model: a smaller model of the same tokenizer drafts k tokens autoregressively with its own KV cache.
+
+Catch-up needs no extra pass: the draft's KV for accepted drafts was written while drafting them, so each
+proposal starts by running the last two committed tokens (re-writing one slot, harmlessly), which covers
+the one slot never drafted when every draft was accepted.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.engine import sampling
+from specjax.engine.state import RowParams
+from specjax.models.kv_cache import KVCache, init_cache
+
+
+class DraftModelProposer:
+    def __init__(self, draft_graph: nnx.GraphDef, k: int, probabilistic: bool):
+        self.draft_graph = draft_graph
+        self.k = k
+        self.probabilistic = probabilistic
+
+    def init(self, draft_state, prompt_tokens: jax.Array, prompt_lengths: jax.Array, cache_len: int) -> KVCache:
+        draft = nnx.merge(self.draft_graph, draft_state)
+        cache = init_cache(draft.cfg, prompt_tokens.shape[0], cache_len, draft.embed[...].dtype)
+        _, cache, _ = draft(prompt_tokens, jnp.zeros_like(prompt_lengths), cache)
+        return cache
+
+    def propose(self, draft_state, cache: KVCache, tokens: jax.Array, lengths: jax.Array, rows: RowParams):
+        draft = nnx.merge(self.draft_graph, draft_state)
+        B = tokens.shape[0]
+        last_two = jnp.stack([tokens[jnp.arange(B), lengths - 2], tokens[jnp.arange(B), lengths - 1]], axis=1)
+        hidden, cache, _ = draft(last_two, lengths - 2, cache)
+        token, probs = self._choose(draft.logits(hidden[:, -1]), rows, lengths)
+
+        def draft_step(carry, i):
+            token, cache = carry
+            hidden, cache, _ = draft(token[:, None], lengths + i, cache)
+            nxt, probs = self._choose(draft.logits(hidden[:, 0]), rows, lengths + i + 1)
+            return (nxt, cache), (nxt, probs)
+
+        (_, cache), (rest, rest_probs) = jax.lax.scan(draft_step, (token, cache),
+                                                      jnp.arange(self.k - 1, dtype=jnp.int32))
+        drafts = jnp.concatenate([token[:, None], rest.T], axis=1)
+        if not self.probabilistic:
+            return drafts, None, cache
+        return drafts, jnp.concatenate([probs[:, None], jnp.swapaxes(rest_probs, 0, 1)], axis=1), cache
+
+    def _choose(self, logits: jax.Array, rows: RowParams, position: jax.Array):
+        """Greedy drafting takes the argmax (q one-hot, so no probs are kept); probabilistic drafting draws
+        from the draft's processed distribution q and keeps q for verification."""
+        if not self.probabilistic:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        q = sampling.processed_probs(logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p)
+        token = sampling.sample_from_probs(q, sampling.row_key(rows.seed, position, sampling.DRAFT))
+        return token, q

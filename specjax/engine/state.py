@@ -1,0 +1,52 @@
+"""The loop's data: per-row request settings (fixed for a wave) and the carry of the one while_loop."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from specjax.models.kv_cache import KVCache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RowParams:
+    """Per-row request settings as arrays [B]; padding rows of a wave have max_tokens 0."""
+    temperature: jax.Array   # f32, 0 = greedy
+    top_k: jax.Array         # i32, 0 = off
+    top_p: jax.Array         # f32, 1 = off
+    min_p: jax.Array         # f32, 0 = off
+    seed: jax.Array          # i32, the request's seed
+    max_tokens: jax.Array    # i32, new tokens allowed
+    min_tokens: jax.Array    # i32, stop ids are masked until this many were generated
+    stop_ids: jax.Array      # i32 [B, M], EOS (unless ignore_eos) and stop_token_ids, -1 padded
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecCounters:
+    """vLLM's speculative-decoding counters, per row so requests can report their own."""
+    num_drafts: jax.Array         # i32 [B]
+    num_draft_tokens: jax.Array   # i32 [B]
+    num_accepted: jax.Array       # i32 [B]
+    accepted_per_pos: jax.Array   # i32 [B, k]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoopState:
+    """The while_loop carry. Invariant: row b has committed tokens[b, :lengths[b]]; the target's KV is valid
+    for slots < lengths[b] - 1 (the last committed token has not been run yet); everything beyond is garbage.
+    """
+    tokens: jax.Array        # i32 [B, S]
+    lengths: jax.Array       # i32 [B]
+    prompt_lengths: jax.Array  # i32 [B]
+    logprobs: jax.Array      # f32 [B, S], raw log-probability of each generated token
+    top_ids: jax.Array       # i32 [B, S, n_top] top logprob ids per generated token (n_top may be 0)
+    top_logprobs: jax.Array  # f32 [B, S, n_top]
+    done: jax.Array          # bool [B]
+    cache: KVCache
+    proposer: Any            # the proposer's own pytree (draft KV, ...); None when stateless
+    counters: SpecCounters
+    steps: jax.Array         # i32 [], loop iterations run
