@@ -1,0 +1,165 @@
+"""Per-row token sampling inside jit: logits processors, counter-based keys, draws.
+
+Every sampling parameter is an array with one entry per row (shape [B], or [B, T] when
+it varies along a time axis too), so one compiled function serves a batch that mixes
+greedy and random rows with different temperature / top-k / top-p / min-p values.
+
+Randomness is counter-based: a row's key is derived from (request seed, absolute token
+position, purpose) only, so a seeded request draws the same numbers alone or in any
+batch, and speculative and plain decoding can share draws where they mean the same.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Purposes keep the streams of one (seed, position) apart.
+SAMPLE = 0  # a token drawn from the target distribution p (plain decoding, bonus slot)
+ACCEPT = 1  # the uniform u that decides whether a draft token is accepted
+RECOVER = 2  # the token drawn from max(p - q, 0) after a rejection
+DRAFT = 3  # a token drawn by a probabilistic drafter from its own q
+BONUS = 4  # reserved for proposers that need a second independent stream
+
+# vLLM treats temperatures below this as greedy (argmax).
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+def row_key(seed: jax.Array, position: jax.Array, purpose: int | jax.Array) -> jax.Array:
+    """Typed PRNG keys, one per entry of `position`, from (seed, position, purpose).
+
+    seed: int [B]; position: int [B] or [B, T]; purpose: a Python int or an int array
+    broadcastable to position's shape. Returns a key array of position's shape.
+    """
+    position = jnp.asarray(position, jnp.int32)
+    seed = jnp.asarray(seed)
+    seed = jnp.broadcast_to(seed.reshape(seed.shape + (1,) * (position.ndim - seed.ndim)),
+                            position.shape)
+    purpose = jnp.broadcast_to(jnp.asarray(purpose, jnp.int32), position.shape)
+
+    def one(s, p, u):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(s), p), u)
+
+    flat = jax.vmap(one)(seed.reshape(-1), position.reshape(-1), purpose.reshape(-1))
+    return flat.reshape(position.shape)
+
+
+def uniform(keys: jax.Array) -> jax.Array:
+    """One float32 uniform in [0, 1) per key, shaped like `keys`."""
+    flat = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys.reshape(-1))
+    return flat.reshape(keys.shape)
+
+
+def is_greedy(temperature: jax.Array) -> jax.Array:
+    """Rows that decode greedily (vLLM: temperature below 1e-5)."""
+    return jnp.asarray(temperature) < GREEDY_TEMPERATURE_EPS
+
+
+def _per_row(param: jax.Array, logits: jax.Array, dtype) -> jax.Array:
+    """Reshape a [B] (or [B, T]) parameter so it broadcasts against logits [..., V]."""
+    param = jnp.asarray(param, dtype)
+    return param.reshape(param.shape + (1,) * (logits.ndim - param.ndim))
+
+
+def _min_p_mask(logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Keep tokens whose probability is at least min_p times the largest one."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    return probs >= min_p * jnp.max(probs, axis=-1, keepdims=True)
+
+
+def _top_k_top_p_thresholds(logits: jax.Array, top_k: jax.Array,
+                            top_p: jax.Array) -> jax.Array:
+    """Smallest logit kept by top-k then top-p, per row (-inf where both are off).
+
+    One descending sort serves both filters. Tokens tied with the threshold are kept,
+    as in vLLM's top-k (ties at the top-p boundary are kept too, a measure-zero case).
+    """
+    vocab = logits.shape[-1]
+    ordered = -jnp.sort(-logits, axis=-1)
+    k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    k_threshold = jnp.take_along_axis(ordered, k - 1, axis=-1)
+    ordered = jnp.where(ordered >= k_threshold, ordered, -jnp.inf)
+    # vLLM drops a token when the mass strictly above it already reaches top_p.
+    probs = jax.nn.softmax(ordered, axis=-1)
+    mass_above = jnp.cumsum(probs, axis=-1) - probs
+    p = jnp.where(top_p < 1.0, top_p, jnp.inf)
+    keep_count = jnp.maximum(jnp.sum(mass_above < p, axis=-1, keepdims=True), 1)
+    p_threshold = jnp.take_along_axis(ordered, keep_count - 1, axis=-1)
+    return jnp.maximum(k_threshold, p_threshold)
+
+
+def processed_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                    top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """The distribution a row samples from, in vLLM's order: temperature, min-p, top-k, top-p.
+
+    logits: [..., V] (leading [B] or [B, T]); parameters: [B] or [B, T].
+    top_k <= 0 or >= V, top_p >= 1 and min_p <= 0 switch a filter off. Greedy rows
+    (temperature < 1e-5) get the one-hot of the first maximal raw logit.
+    The sort that top-k / top-p need runs only when some row of the batch uses one
+    (a batch-wide lax.cond; under vmap both branches run). Cost when it runs: one
+    O(V log V) sort per row and position.
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    greedy = _per_row(is_greedy(temperature), logits, bool)
+    temperature = _per_row(temperature, logits, jnp.float32)
+    top_k = _per_row(top_k, logits, jnp.int32)
+    top_p = _per_row(top_p, logits, jnp.float32)
+    min_p = _per_row(min_p, logits, jnp.float32)
+
+    scaled = logits / jnp.where(greedy, 1.0, temperature)
+    scaled = jnp.where(_min_p_mask(scaled, min_p), scaled, -jnp.inf)
+    vocab = logits.shape[-1]
+    needs_sort = jnp.any(~greedy & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)))
+    threshold = lax.cond(
+        needs_sort,
+        lambda: _top_k_top_p_thresholds(scaled, top_k, top_p),
+        lambda: jnp.full(scaled.shape[:-1] + (1,), -jnp.inf, jnp.float32),
+    )
+    scaled = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
+    return jnp.where(greedy, one_hot, probs)
+
+
+def sample_from_probs(probs: jax.Array, keys: jax.Array) -> jax.Array:
+    """Draw one token per row of probs [..., V] (need not be normalised) with keys [...].
+
+    Gumbel-max over log-probabilities: tokens of probability zero are never drawn.
+    """
+    vocab = probs.shape[-1]
+    flat_keys = keys.reshape(-1)
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(flat_keys)
+    scores = jnp.where(probs > 0, jnp.log(probs), -jnp.inf) + noise.reshape(probs.shape)
+    return jnp.argmax(scores, axis=-1).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+           min_p: jax.Array, seed: jax.Array, position: jax.Array,
+           purpose: int = SAMPLE) -> jax.Array:
+    """Next token per row: argmax for greedy rows, a keyed draw from processed_probs otherwise.
+
+    logits: [B, V] (or [B, T, V] with position [B, T]); position: the absolute position
+    of the token being chosen. Returns int32 [B] (or [B, T]).
+    """
+    probs = processed_probs(logits, temperature, top_k, top_p, min_p)
+    drawn = sample_from_probs(probs, row_key(seed, position, purpose))
+    greedy = _per_row(is_greedy(temperature), drawn, bool)
+    return jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array,
+                   num_top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Raw log-softmax logprobs (vLLM's default): of `tokens`, and the top `num_top`.
+
+    logits: [..., V]; tokens: int [...]. Returns (chosen [...] f32,
+    top_ids [..., num_top] int32, top_values [..., num_top] f32), best first.
+    """
+    logprobs = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, jnp.asarray(tokens, jnp.int32)[..., None],
+                                 axis=-1)[..., 0]
+    if num_top == 0:
+        empty = logprobs.shape[:-1] + (0,)
+        return chosen, jnp.zeros(empty, jnp.int32), jnp.zeros(empty, jnp.float32)
+    top_values, top_ids = lax.top_k(logprobs, num_top)
+    return chosen, top_ids.astype(jnp.int32), top_values
