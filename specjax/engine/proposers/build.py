@@ -1,0 +1,46 @@
+"""SpeculativeConfig -> the proposer the loop runs, and the draft weights it needs."""
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+
+from checkpoints_conv.safetensors_loader import load_params
+from specjax import config as config_lib
+from specjax.engine.proposers.base import NoProposer, Proposer
+from specjax.engine.proposers.draft_model import DraftModelProposer
+from specjax.engine.proposers.ngram import propose_ngram
+from specjax.hub import resolve_model
+from specjax.models.model_config import ModelConfig
+from specjax.models.registry import build_model
+
+
+class NgramProposer:
+    """Prompt lookup: stateless, drafts from the row's own committed tokens (q one-hot)."""
+
+    def __init__(self, k: int, min_n: int, max_n: int):
+        self.k, self.min_n, self.max_n = k, min_n, max_n
+
+    def init(self, draft_state, prompt_tokens, prompt_lengths, cache_len):
+        return None
+
+    def propose(self, draft_state, carry, tokens, lengths, rows):
+        return propose_ngram(tokens, lengths, self.k, self.min_n, self.max_n), None, carry
+
+
+def build_proposer(spec: "config_lib.SpeculativeConfig | None", target_cfg: ModelConfig, dtype,
+                   *, attention_impl: str = "auto") -> tuple[Proposer, Any]:
+    if spec is None:
+        return NoProposer(), None
+    if spec.method == "ngram":
+        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max), None
+    if spec.method == "draft_model":
+        path = resolve_model(spec.model, revision=spec.revision)
+        draft_cfg = ModelConfig.from_dir(path)
+        config_lib.check_draft_compatible(target_cfg, draft_cfg)
+        draft = build_model(draft_cfg, load_params(path, draft_cfg, dtype), attention_impl=attention_impl)
+        graph, state = nnx.split(draft)
+        return DraftModelProposer(graph, spec.num_speculative_tokens,
+                                  probabilistic=spec.draft_sample_method == "probabilistic"), state
+    raise NotImplementedError(f"speculative method {spec.method!r} has no proposer yet; "
+                              f"available: {sorted(config_lib.IMPLEMENTED_METHODS)}")
