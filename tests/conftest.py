@@ -1,0 +1,75 @@
+"""Shared fixtures: the embedded default model, and tiny random HF checkpoints of each Llama-family variant."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TINY_COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                   rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+# name -> (transformers config class name, extra config fields). Covers: GQA, llama3 rope scaling, tied and
+# untied embeddings, explicit head_dim != hidden/heads, Qwen2 q/k/v biases, Qwen3 q/k norms.
+TINY_FAMILIES = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=False, rope_theta=10000.0)),
+    "llama3_tied": ("LlamaConfig", dict(
+        tie_word_embeddings=True, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=16))),
+    "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None, rope_theta=1e6)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1e6, use_sliding_window=False)),
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=16, rope_theta=1e6,
+                                  use_sliding_window=False)),
+}
+
+
+def make_tiny_checkpoint(family: str, out_dir: Path, *, seed: int = 0, max_shard_size: str | None = None) -> Path:
+    """Save a randomly initialised fp32 transformers model of `family` in HF safetensors layout."""
+    import torch
+    import transformers
+
+    config_cls, extra = TINY_FAMILIES[family]
+    config = getattr(transformers, config_cls)(**TINY_COMMON, **extra)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize_norms_and_biases(model, seed)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
+    return out_dir
+
+
+def _randomize_norms_and_biases(model, seed: int) -> None:
+    """Norm weights init to 1 and biases to 0; make them random so a mix-up between leaves shows."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_factory(tmp_path_factory):
+    """tiny_checkpoint_factory(family, max_shard_size=None) -> a cached directory for that variant."""
+    made: dict[tuple, Path] = {}
+
+    def make(family: str, max_shard_size: str | None = None) -> Path:
+        key = (family, max_shard_size)
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"tiny_{family}_{'sharded' if max_shard_size else 'single'}")
+            made[key] = make_tiny_checkpoint(family, out, max_shard_size=max_shard_size)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct directory (downloads and converts on first use)."""
+    from specjax.default_model import default_model_dir as resolve
+
+    return resolve()
