@@ -1,0 +1,523 @@
+"""All user-facing parsing and validation of `LLM(...)` arguments, before anything compiles.
+
+- `EngineConfig.from_kwargs(model, **kwargs)`: vLLM's `LLM(...)` / `EngineArgs` names. Settings
+  that only steer vLLM's CUDA engine are accepted with a warning that they have no effect;
+  unknown names raise TypeError listing the accepted ones.
+- `check_kv_cache_fits`: the "KV cache does not fit" error, with the numbers and what to lower.
+- `SpeculativeConfig.from_dict`: vLLM's `speculative_config` keys, defaults, method inference
+  and validation. `check_draft_compatible` checks a loaded draft against the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+# --------------------------------------------------------------------------------------------
+# LLM(...) / EngineArgs
+# --------------------------------------------------------------------------------------------
+
+DTYPE_ALIASES = {
+    "auto": "auto",
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+}
+ATTENTION_IMPLS = ("auto", "reference", "triton")
+# vLLM's offline LLM default; the engine may run fewer rows when fewer prompts are given.
+DEFAULT_MAX_NUM_SEQS = 256
+
+_ANY = object()  # marks a no-effect setting that is ignored whatever its value
+# vLLM EngineArgs that tune its CUDA engine (memory manager, scheduler, CUDA graphs, ...):
+# accepted and ignored. Where a non-default value would change the results (quantized
+# weights, a different KV dtype, pipeline stages, LoRA, ...), only the default is accepted.
+NO_EFFECT_KWARGS: dict[str, Any] = {
+    "swap_space": _ANY,
+    "cpu_offload_gb": _ANY,
+    "disable_custom_all_reduce": _ANY,
+    "enable_prefix_caching": _ANY,
+    "enable_chunked_prefill": _ANY,
+    "block_size": _ANY,
+    "max_num_batched_tokens": _ANY,
+    "max_seq_len_to_capture": _ANY,
+    "max_cudagraph_capture_size": _ANY,
+    "cuda_graph_sizes": _ANY,
+    "compilation_config": _ANY,
+    "disable_log_stats": _ANY,
+    "disable_async_output_proc": _ANY,
+    "async_scheduling": _ANY,
+    "tokenizer_mode": _ANY,
+    "tokenizer_revision": _ANY,
+    "load_format": _ANY,
+    "download_dir": _ANY,
+    "distributed_executor_backend": _ANY,
+    "max_logprobs": _ANY,
+    "enable_sleep_mode": _ANY,
+    "kv_cache_memory_bytes": _ANY,
+    "served_model_name": _ANY,
+    "quantization": None,
+    "kv_cache_dtype": "auto",
+    "pipeline_parallel_size": 1,
+    "data_parallel_size": 1,
+    "enable_lora": False,
+    "skip_tokenizer_init": False,
+    "hf_overrides": None,
+    "scheduling_policy": "fcfs",
+}
+ACCEPTED_KWARGS = (
+    "model", "tokenizer", "dtype", "tensor_parallel_size", "max_model_len", "max_num_seqs", "seed",
+    "gpu_memory_utilization", "enforce_eager", "trust_remote_code", "revision", "speculative_config",
+    "attention_impl",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Validated `LLM(...)` settings.
+
+    tokenizer: defaults to `model`. dtype: "auto", "float32", "bfloat16" or "float16".
+    max_model_len: None means the model's own limit (the loader resolves it).
+    speculative_config: the raw dict, parsed by `SpeculativeConfig.from_dict` once the
+    target's max_model_len is known.
+    """
+
+    model: str
+    tokenizer: str
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    seed: int | None = 0
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    trust_remote_code: bool = False
+    revision: str | None = None
+    speculative_config: Mapping[str, Any] | None = None
+    attention_impl: str = "auto"
+
+    @classmethod
+    def from_kwargs(cls, model: str | os.PathLike, **kwargs: Any) -> EngineConfig:
+        """Validate `LLM(model, **kwargs)`; warn about vLLM settings that have no effect here."""
+        unknown = sorted(set(kwargs) - set(ACCEPTED_KWARGS) - set(NO_EFFECT_KWARGS))
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword argument(s) {unknown}. Accepted: "
+                            f"{', '.join(ACCEPTED_KWARGS)}; also accepted and ignored (vLLM CUDA-engine "
+                            f"settings): {', '.join(NO_EFFECT_KWARGS)}")
+        for name in set(kwargs) & set(NO_EFFECT_KWARGS):
+            _check_no_effect(name, kwargs.pop(name))
+        model = _path_or_id(model, "model")
+        tokenizer = kwargs.pop("tokenizer", None)
+        tokenizer = model if tokenizer is None else _path_or_id(tokenizer, "tokenizer")
+        config = cls(model=model, tokenizer=tokenizer, **kwargs)
+        return config._validated()
+
+    def _validated(self) -> EngineConfig:
+        _check_int(self.tensor_parallel_size, "tensor_parallel_size", minimum=1)
+        if self.max_model_len is not None:
+            _check_int(self.max_model_len, "max_model_len", minimum=1)
+        _check_int(self.max_num_seqs, "max_num_seqs", minimum=1)
+        if self.seed is not None:
+            _check_int(self.seed, "seed")
+        _check_memory_fraction(self.gpu_memory_utilization)
+        for name in ("enforce_eager", "trust_remote_code"):
+            _check_bool(getattr(self, name), name)
+        _check_optional_str(self.revision, "revision")
+        if self.speculative_config is not None and not isinstance(self.speculative_config, Mapping):
+            raise TypeError(f"speculative_config must be a dict (e.g. {{'method': 'ngram', "
+                            f"'num_speculative_tokens': 4}}) or None, got {self.speculative_config!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        spec = None if self.speculative_config is None else dict(self.speculative_config)
+        return dataclasses.replace(self, dtype=canonical_dtype(self.dtype), speculative_config=spec)
+
+
+def canonical_dtype(dtype: Any) -> str:
+    """"auto" | "float32" | "bfloat16" | "float16" from a name, alias, or numpy/JAX/torch dtype."""
+    name = dtype if isinstance(dtype, str) else _dtype_name(dtype)
+    canonical = DTYPE_ALIASES.get(name.lower() if isinstance(name, str) else name)
+    if canonical is None:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_ALIASES)} (or a float32/bfloat16/float16 "
+                         f"dtype object), got {dtype!r}")
+    return canonical
+
+
+def _dtype_name(dtype: Any) -> str | None:
+    """The plain name of a numpy / JAX / torch dtype object, e.g. torch.bfloat16 -> "bfloat16"."""
+    text = str(dtype)
+    if text.startswith("torch."):
+        return text.removeprefix("torch.")
+    try:
+        import numpy as np
+
+        return np.dtype(dtype).name
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_no_effect(name: str, value: Any) -> None:
+    required = NO_EFFECT_KWARGS[name]
+    if required is not _ANY and value != required:
+        raise ValueError(f"{name}={value!r} is not supported by specjax; remove it or pass {name}={required!r}")
+    warnings.warn(f"LLM(): {name}={value!r} has no effect in specjax (a vLLM CUDA-engine setting); ignored",
+                  stacklevel=4)
+
+
+def _path_or_id(value: Any, name: str) -> str:
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"{name} must be a Hugging Face Hub id or a local directory path, got {value!r}")
+    return value
+
+
+def _check_memory_fraction(value: Any) -> None:
+    if not _is_number(value) or not math.isfinite(value):
+        raise TypeError(f"gpu_memory_utilization must be a number in (0, 1], got {value!r}")
+    if not 0 < value <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1] (the fraction of device memory "
+                         f"specjax may use), got {value}")
+
+
+# --------------------------------------------------------------------------------------------
+# KV cache size
+# --------------------------------------------------------------------------------------------
+
+def check_kv_cache_fits(kv_bytes: int, free_bytes: int, gpu_memory_utilization: float, *,
+                        max_model_len: int | None = None, max_num_seqs: int | None = None) -> None:
+    """Raise a ValueError naming what to lower when the KV cache exceeds its budget.
+
+    free_bytes: device memory still free once the weights are placed; the KV cache may use
+    gpu_memory_utilization of it. kv_bytes grows linearly with max_model_len and with
+    max_num_seqs; pass both to get the largest values that fit in the message.
+    """
+    _check_memory_fraction(gpu_memory_utilization)
+    _check_int(kv_bytes, "kv_bytes", minimum=0)
+    _check_int(free_bytes, "free_bytes", minimum=0)
+    budget = int(free_bytes * gpu_memory_utilization)
+    if kv_bytes <= budget:
+        return
+    settings = [f"{name}={value}" for name, value in (("max_num_seqs", max_num_seqs),
+                                                      ("max_model_len", max_model_len)) if value is not None]
+    shape = f" ({', '.join(settings)})" if settings else ""
+    lines = [f"The KV cache needs {_gib(kv_bytes)}{shape}, but only {_gib(budget)} is available "
+             f"({_gib(free_bytes)} free after the weights x gpu_memory_utilization={gpu_memory_utilization})."]
+    fraction = budget / kv_bytes
+    if max_model_len is not None:
+        lines.append(f"Lower max_model_len: at most {int(max_model_len * fraction)} fits"
+                     f"{f' with max_num_seqs={max_num_seqs}' if max_num_seqs else ''}.")
+    if max_num_seqs is not None:
+        lines.append(f"Or lower max_num_seqs: at most {int(max_num_seqs * fraction)} fit"
+                     f"{f' with max_model_len={max_model_len}' if max_model_len else ''}.")
+    if max_model_len is None and max_num_seqs is None:
+        lines.append("Lower max_model_len or max_num_seqs.")
+    if gpu_memory_utilization < 1:
+        lines.append("Or raise gpu_memory_utilization (at most 1.0).")
+    raise ValueError(" ".join(lines))
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"
+
+
+# --------------------------------------------------------------------------------------------
+# speculative_config
+# --------------------------------------------------------------------------------------------
+
+KNOWN_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+# The methods the engine runs; extend as proposers land.
+IMPLEMENTED_METHODS = frozenset({"ngram", "draft_model"})
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+REJECTION_SAMPLE_METHODS = ("standard", "synthetic")
+# vLLM's default n-gram window when neither bound is given.
+DEFAULT_PROMPT_LOOKUP = 5
+
+SPEC_KEYS = (
+    "method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+    "draft_tensor_parallel_size", "max_model_len", "revision", "enforce_eager", "draft_sample_method",
+    "rejection_sample_method", "synthetic_acceptance_rates", "synthetic_acceptance_length",
+)
+# vLLM speculative_config keys for its CUDA engine: accepted only at these neutral values.
+SPEC_NO_EFFECT_KEYS: dict[str, Any] = {
+    "quantization": None,
+    "code_revision": _ANY,
+    "disable_padded_drafter_batch": _ANY,
+    "attention_backend": _ANY,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """A validated `speculative_config` (vLLM's keys and defaults).
+
+    method: "ngram", "draft_model", "eagle", "eagle3" or "mtp". model: the draft / head
+    checkpoint; None for ngram, and for mtp (the target's own MTP layers).
+    prompt_lookup_min/max: the n-gram window (ngram only; 0 for other methods, as vLLM).
+    draft_tensor_parallel_size: 1 or the target's (default the target's).
+    max_model_len: the draft's length limit, at most the target's (default the target's).
+    enforce_eager: None inherits the target's setting.
+    synthetic_acceptance_rates: when rejection_sample_method is "synthetic", the resolved
+    per-position *unconditional* rates: entry i is P(the first i+1 drafts are all accepted).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    max_model_len: int
+    draft_tensor_parallel_size: int
+    model: str | None = None
+    prompt_lookup_max: int = 0
+    prompt_lookup_min: int = 0
+    revision: str | None = None
+    enforce_eager: bool | None = None
+    draft_sample_method: str = "greedy"
+    rejection_sample_method: str = "standard"
+    synthetic_acceptance_rates: tuple[float, ...] | None = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None, *, target_max_model_len: int,
+                  target_tensor_parallel_size: int) -> SpeculativeConfig | None:
+        """Parse and validate `speculative_config`; None (no speculation) stays None."""
+        if d is None:
+            return None
+        _check_int(target_max_model_len, "target_max_model_len", minimum=1)
+        _check_int(target_tensor_parallel_size, "target_tensor_parallel_size", minimum=1)
+        if not isinstance(d, Mapping):
+            raise TypeError(f"speculative_config must be a dict or None, got {d!r}")
+        d = _spec_keys_checked(d)
+        method, model = _infer_method(d.get("method"), d.get("model"))
+        k = _required_k(d.get("num_speculative_tokens"))
+        lookup_min, lookup_max = _prompt_lookup(method, d.get("prompt_lookup_min"), d.get("prompt_lookup_max"))
+        draft_sample, rejection_sample = _sample_methods(d)
+        return cls(
+            method=method, num_speculative_tokens=k, model=model,
+            prompt_lookup_max=lookup_max, prompt_lookup_min=lookup_min,
+            draft_tensor_parallel_size=_draft_tp(d.get("draft_tensor_parallel_size"), target_tensor_parallel_size),
+            max_model_len=_draft_max_model_len(d.get("max_model_len"), target_max_model_len),
+            revision=_check_optional_str(d.get("revision"), "speculative_config['revision']"),
+            enforce_eager=_optional_bool(d.get("enforce_eager"), "speculative_config['enforce_eager']"),
+            draft_sample_method=draft_sample, rejection_sample_method=rejection_sample,
+            synthetic_acceptance_rates=_synthetic_rates(rejection_sample, k, d.get("synthetic_acceptance_rates"),
+                                                        d.get("synthetic_acceptance_length")),
+        )
+
+    def synthetic_rates(self) -> tuple[float, ...] | None:
+        """Per-position *conditional* acceptance probabilities for synthetic rejection (else None).
+
+        Entry i is P(draft i accepted | drafts 0..i-1 accepted) = u_i / u_{i-1} (u_{-1} = 1),
+        from the unconditional rates u; 0 after a zero, where the chain has already stopped.
+        As in vLLM, the sampler accepts draft i iff a fresh uniform < entry i, stops at the
+        first rejection, and emits the target's own token there.
+        """
+        rates = self.synthetic_acceptance_rates
+        if rates is None:
+            return None
+        previous = (1.0, *rates[:-1])
+        return tuple(u / p if p > 0 else 0.0 for u, p in zip(rates, previous))
+
+
+class _HasVocab(Protocol):
+    vocab_size: int
+
+
+def check_draft_compatible(target_cfg: _HasVocab, draft_cfg: _HasVocab) -> None:
+    """A draft model must share the target's vocabulary (vLLM checks the same)."""
+    if target_cfg.vocab_size != draft_cfg.vocab_size:
+        raise ValueError(
+            f"The draft model's vocab_size={draft_cfg.vocab_size} differs from the target's "
+            f"vocab_size={target_cfg.vocab_size}: draft tokens would index the wrong vocabulary. "
+            "Use a draft model with the same tokenizer and vocabulary size as the target "
+            "(usually a smaller model of the same family).")
+
+
+def _spec_keys_checked(d: Mapping[str, Any]) -> dict[str, Any]:
+    """Reject tensor_parallel_size and unknown keys; drop vLLM CUDA-only keys with a warning."""
+    if "tensor_parallel_size" in d:
+        raise ValueError("'tensor_parallel_size' is not a valid key in speculative_config; "
+                         "use 'draft_tensor_parallel_size' (1 or the target's tensor_parallel_size)")
+    unknown = sorted(set(d) - set(SPEC_KEYS) - set(SPEC_NO_EFFECT_KEYS))
+    if unknown:
+        raise ValueError(f"speculative_config has unknown key(s) {unknown}; accepted keys: {', '.join(SPEC_KEYS)}")
+    for key in set(d) & set(SPEC_NO_EFFECT_KEYS):
+        required = SPEC_NO_EFFECT_KEYS[key]
+        if required is not _ANY and d[key] != required:
+            raise ValueError(f"speculative_config[{key!r}]={d[key]!r} is not supported by specjax; "
+                             f"remove it or set it to {required!r}")
+        warnings.warn(f"speculative_config[{key!r}] has no effect in specjax; ignored", stacklevel=4)
+    return {key: value for key, value in d.items() if key in SPEC_KEYS}
+
+
+def _infer_method(method: Any, model: Any) -> tuple[str, str | None]:
+    """vLLM's rules: model "ngram"/"[ngram]" -> ngram; "eagle-" in the model name -> eagle,
+    "eagle3" -> eagle3 (even over an explicit draft_model); other models -> draft_model;
+    "<family>_mtp" method names are old spellings of "mtp"."""
+    if model is not None:
+        model = _path_or_id(model, "speculative_config['model']")
+    if method is not None and not isinstance(method, str):
+        raise TypeError(f"speculative_config['method'] must be a string, one of {KNOWN_METHODS}, got {method!r}")
+    if method == "[ngram]" or (method is None and model in ("ngram", "[ngram]")):
+        method = "ngram"
+    elif method is not None and method.endswith("_mtp"):
+        warnings.warn(f"speculative_config method {method!r} is deprecated; use 'mtp'", stacklevel=4)
+        method = "mtp"
+    elif method is None and model is None:
+        raise ValueError("speculative_config needs 'method' or 'model': e.g. {'method': 'ngram', "
+                         "'num_speculative_tokens': 4} or {'model': '<draft checkpoint>', "
+                         "'num_speculative_tokens': 4}")
+    elif method in (None, "draft_model"):
+        method = _method_from_model_name(model)
+    if method not in KNOWN_METHODS:
+        raise ValueError(f"speculative_config['method'] must be one of {KNOWN_METHODS}, got {method!r}")
+    if method not in IMPLEMENTED_METHODS:
+        raise NotImplementedError(f"speculative method {method!r} is not implemented in specjax yet; "
+                                  f"available: {sorted(IMPLEMENTED_METHODS)}")
+    if method == "draft_model" and model is None:
+        raise ValueError("speculative_config method 'draft_model' needs 'model': the draft checkpoint "
+                         "(a Hugging Face Hub id or a local directory)")
+    return method, None if method == "ngram" else model
+
+
+def _method_from_model_name(model: str | None) -> str:
+    name = (model or "").lower()
+    if "eagle-" in name:
+        return "eagle"
+    if "eagle3" in name:
+        return "eagle3"
+    return "draft_model"
+
+
+def _required_k(k: Any) -> int:
+    if k is None:
+        raise ValueError("speculative_config needs 'num_speculative_tokens' (an int > 0: tokens drafted "
+                         "per step, e.g. 4)")
+    _check_int(k, "speculative_config['num_speculative_tokens']", minimum=1)
+    return int(k)
+
+
+def _prompt_lookup(method: str, lookup_min: Any, lookup_max: Any) -> tuple[int, int]:
+    """(min, max) n-gram window: both unset -> 5/5, one set -> mirrored (vLLM); 0/0 off ngram."""
+    for name, value in (("prompt_lookup_min", lookup_min), ("prompt_lookup_max", lookup_max)):
+        if value is not None:
+            _check_int(value, f"speculative_config[{name!r}]", minimum=1)
+    if method != "ngram":
+        return 0, 0
+    if lookup_min is None and lookup_max is None:
+        return DEFAULT_PROMPT_LOOKUP, DEFAULT_PROMPT_LOOKUP
+    lookup_min = lookup_max if lookup_min is None else lookup_min
+    lookup_max = lookup_min if lookup_max is None else lookup_max
+    if lookup_min > lookup_max:
+        raise ValueError(f"speculative_config prompt_lookup_min={lookup_min} must be <= "
+                         f"prompt_lookup_max={lookup_max}")
+    return int(lookup_min), int(lookup_max)
+
+
+def _draft_tp(draft_tp: Any, target_tp: int) -> int:
+    if draft_tp is None:
+        return target_tp
+    _check_int(draft_tp, "speculative_config['draft_tensor_parallel_size']", minimum=1)
+    if draft_tp not in (1, target_tp):
+        raise ValueError(f"speculative_config draft_tensor_parallel_size={draft_tp} must be 1 or the target's "
+                         f"tensor_parallel_size={target_tp}")
+    return int(draft_tp)
+
+
+def _draft_max_model_len(max_len: Any, target_max_model_len: int) -> int:
+    if max_len is None:
+        return target_max_model_len
+    _check_int(max_len, "speculative_config['max_model_len']", minimum=1)
+    if max_len > target_max_model_len:
+        raise ValueError(f"speculative_config max_model_len={max_len} cannot be larger than the target's "
+                         f"max_model_len={target_max_model_len}; lower it or leave it unset")
+    return int(max_len)
+
+
+def _sample_methods(d: Mapping[str, Any]) -> tuple[str, str]:
+    draft = d.get("draft_sample_method", "greedy")
+    if draft not in DRAFT_SAMPLE_METHODS:
+        raise ValueError(f"speculative_config['draft_sample_method'] must be one of {DRAFT_SAMPLE_METHODS}, "
+                         f"got {draft!r}")
+    rejection = d.get("rejection_sample_method", "standard")
+    if rejection == "block":
+        raise NotImplementedError("rejection_sample_method='block' is not implemented in specjax; "
+                                  f"available: {REJECTION_SAMPLE_METHODS}")
+    if rejection not in REJECTION_SAMPLE_METHODS:
+        raise ValueError(f"speculative_config['rejection_sample_method'] must be one of "
+                         f"{REJECTION_SAMPLE_METHODS}, got {rejection!r}")
+    return draft, rejection
+
+
+def _synthetic_rates(rejection: str, k: int, rates: Any, length: Any) -> tuple[float, ...] | None:
+    """vLLM's resolution: exactly one of rates / length, only with rejection "synthetic"."""
+    if rejection != "synthetic":
+        if rates is not None or length is not None:
+            raise ValueError("synthetic_acceptance_rates / synthetic_acceptance_length are only valid with "
+                             "rejection_sample_method='synthetic'")
+        return None
+    if (rates is None) == (length is None):
+        raise ValueError("rejection_sample_method='synthetic' needs exactly one of synthetic_acceptance_rates "
+                         f"(a list of {k} non-increasing values in [0, 1]) or synthetic_acceptance_length "
+                         f"(in [1, {k + 1}])")
+    if rates is not None:
+        return _checked_rates(rates, k)
+    return _rates_from_length(length, k)
+
+
+def _checked_rates(rates: Any, k: int) -> tuple[float, ...]:
+    if not isinstance(rates, (list, tuple)) or not all(_is_number(r) for r in rates):
+        raise TypeError(f"synthetic_acceptance_rates must be a list of numbers, got {rates!r}")
+    if len(rates) != k:
+        raise ValueError(f"synthetic_acceptance_rates must have num_speculative_tokens={k} entries, got {rates}")
+    if not all(0.0 <= r <= 1.0 for r in rates):
+        raise ValueError(f"synthetic_acceptance_rates entries must be in [0, 1], got {rates}")
+    if any(later > earlier for earlier, later in zip(rates, rates[1:])):
+        raise ValueError(f"synthetic_acceptance_rates must be non-increasing (entry i is the probability that "
+                         f"the first i+1 drafts are all accepted), got {rates}")
+    return tuple(float(r) for r in rates)
+
+
+def _rates_from_length(length: Any, k: int) -> tuple[float, ...]:
+    """vLLM's minimum-variance schedule: accepted drafts L-1 = whole positions of rate 1, then
+    one fractional position, then zeros. E.g. L=2.6, k=3 -> (1.0, 0.6, 0.0)."""
+    if not _is_number(length) or not math.isfinite(length):
+        raise TypeError(f"synthetic_acceptance_length must be a number, got {length!r}")
+    if not 1.0 <= length <= k + 1:
+        raise ValueError(f"synthetic_acceptance_length must be in [1, {k + 1}] (num_speculative_tokens + 1), "
+                         f"got {length}")
+    accepted = float(length) - 1.0
+    whole = int(accepted)
+    return tuple(([1.0] * whole + [accepted - whole] + [0.0] * k)[:k])
+
+
+# --------------------------------------------------------------------------------------------
+# small checks shared above
+# --------------------------------------------------------------------------------------------
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Real)
+
+
+def _check_int(value: Any, name: str, minimum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_bool(value: Any, name: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _optional_bool(value: Any, name: str) -> bool | None:
+    if value is not None:
+        _check_bool(value, name)
+    return value
+
+
+def _check_optional_str(value: Any, name: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{name} must be a string (a branch, tag or commit) or None, got {value!r}")
+    return value
