@@ -16,8 +16,11 @@ V = 10
 
 
 def chi_square_p_value(tokens: np.ndarray, probs: np.ndarray) -> float:
-    """Goodness of fit of drawn tokens to probs; bins expecting < 5 draws are pooled."""
+    """Goodness of fit of drawn tokens to probs (0 if an impossible token was drawn);
+    bins expecting < 5 draws are pooled."""
     counts = np.bincount(tokens, minlength=probs.size).astype(np.float64)
+    if np.any(counts[probs == 0] > 0):
+        return 0.0
     expected = probs.astype(np.float64) * tokens.size
     small = expected < 5
     counts = np.append(counts[~small], counts[small].sum())
