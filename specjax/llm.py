@@ -14,7 +14,7 @@ from checkpoints_conv.safetensors_loader import load_params, resolve_dtype
 from specjax import config as config_lib
 from specjax.engine.proposers.build import build_proposer
 from specjax.engine.runner import Request, RowResult, WaveRunner
-from specjax.engine.stop_strings import apply_stop_strings
+from specjax.engine.stop_strings import apply_stop_strings, token_finish_reason
 from specjax.default_model import DEFAULT_MODEL
 from specjax.hub import load_tokenizer, resolve_model
 from specjax.models.kv_cache import cache_bytes
@@ -118,14 +118,13 @@ class LLM:
 
     def _completion(self, index: int, request: Request, r: RowResult) -> CompletionOutput:
         p = request.params
-        stopped_by_id = r.hit_stop_id
-        finish_reason = "stop" if stopped_by_id else "length"
-        stop_reason = None
-        if stopped_by_id and r.token_ids[-1] in (p.stop_token_ids or []) and r.token_ids[-1] not in self._eos_ids_for(p):
-            stop_reason = r.token_ids[-1]
+        finish_reason, stop_reason = token_finish_reason(
+            r.token_ids, eos_token_id=self._primary_eos, ignore_eos=p.ignore_eos,
+            stop_token_ids=list(p.stop_token_ids or []) + self._extra_eos_ids(p))
         text, kept, finish_reason, stop_reason = apply_stop_strings(
             r.token_ids, self.tokenizer, p.stop or [], include_stop_str_in_output=p.include_stop_str_in_output,
-            skip_special_tokens=p.skip_special_tokens, finish_reason=finish_reason, stop_reason=stop_reason)
+            skip_special_tokens=p.skip_special_tokens, finish_reason=finish_reason, stop_reason=stop_reason,
+            min_tokens=p.min_tokens, prompt_token_ids=request.prompt_token_ids)
         n = len(kept)
         logprobs = self._logprobs(r, n) if p.logprobs is not None else None
         return CompletionOutput(
@@ -170,14 +169,19 @@ class LLM:
         if bad:
             raise ValueError(f"prompt {index} has token ids outside [0, {self.model_config.vocab_size}): {bad[:5]}")
 
-    def _eos_token_ids(self) -> list[int]:
-        ids = set(self.model_config.eos_token_ids)
+    @property
+    def _primary_eos(self) -> int | None:
+        """The tokenizer's EOS (vLLM reports stop_reason None for it); other model EOS ids act as stop ids."""
         if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
+            return self.tokenizer.eos_token_id
+        return self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
+
+    def _eos_token_ids(self) -> list[int]:
+        ids = set(self.model_config.eos_token_ids) | {self._primary_eos} - {None}
         return sorted(ids)
 
-    def _eos_ids_for(self, params: SamplingParams) -> list[int]:
-        return [] if params.ignore_eos else self._eos_token_ids()
+    def _extra_eos_ids(self, params: SamplingParams) -> list[int]:
+        return [] if params.ignore_eos else [i for i in self._eos_token_ids() if i != self._primary_eos]
 
     def _check_kv_cache_fits(self) -> None:
         slots = self.max_model_len + self.proposer.k + 1

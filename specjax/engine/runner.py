@@ -31,7 +31,6 @@ class RowResult:
     logprobs: np.ndarray                  # [n] raw logprob of each generated token
     top_ids: np.ndarray                   # [n, n_top]
     top_logprobs: np.ndarray              # [n, n_top]
-    hit_stop_id: bool                     # the last token is one of the row's stop ids
     num_drafts: int
     num_draft_tokens: int
     num_accepted: int
@@ -62,7 +61,7 @@ class WaveRunner:
         n_top = max((_num_top(r.params, self.vocab_size) for r in wave), default=0)
         prompts, lengths, rows, cache_len = self._pack(wave)
         state = self._generate_fn(n_top)(self.target_state, self.draft_state, prompts, lengths, rows, cache_len)
-        return _unpack(jax.device_get(state), rows, len(wave))
+        return _unpack(jax.device_get(state), len(wave))
 
     def _generate_fn(self, n_top: int):
         """One jitted function per n_top; jit itself caches one executable per shape bucket."""
@@ -121,7 +120,7 @@ def _num_top(params: SamplingParams, vocab_size: int) -> int:
     return vocab_size if params.logprobs < 0 else min(params.logprobs, vocab_size)
 
 
-def _unpack(state: LoopState, rows: RowParams, n: int) -> list[RowResult]:
+def _unpack(state: LoopState, n: int) -> list[RowResult]:
     results = []
     for b in range(n):
         start, end = int(state.prompt_lengths[b]), int(state.lengths[b])
@@ -130,7 +129,6 @@ def _unpack(state: LoopState, rows: RowParams, n: int) -> list[RowResult]:
         results.append(RowResult(
             token_ids=ids, logprobs=state.logprobs[b, start:end], top_ids=state.top_ids[b, start:end],
             top_logprobs=state.top_logprobs[b, start:end],
-            hit_stop_id=bool(ids) and ids[-1] in set(np.asarray(rows.stop_ids[b]).tolist()),
             num_drafts=int(c.num_drafts[b]), num_draft_tokens=int(c.num_draft_tokens[b]),
             num_accepted=int(c.num_accepted[b]), accepted_per_pos=c.accepted_per_pos[b].tolist()))
     return results
