@@ -132,7 +132,7 @@ def rejection_sample(target_logits: jax.Array, draft_tokens: jax.Array,
     # The recovered token comes from max(p - q, 0) only after a real draft was rejected
     # in standard mode; for a missing draft, the bonus slot and synthetic mode it is a
     # plain draw from p, keyed like plain decoding (SAMPLE) at that position.
-    rejected_real_draft = (num_accepted < k) & _gather_slot(
+    rejected_real_draft = _gather_slot(
         jnp.concatenate([has_draft, jnp.zeros((batch, 1), bool)], axis=1), num_accepted)
     residual = rejected_real_draft if synthetic_rates is None else jnp.zeros_like(greedy)
     p_slot = _gather_slot(target_probs, num_accepted)
