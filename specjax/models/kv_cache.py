@@ -34,10 +34,10 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype) -> int:
 def write_layer(cache: jax.Array, layer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """Write new [B, T, Hkv, D] into cache [L, B, Hkv, S, D] at layer `layer`, slots start[b] .. start[b]+T-1.
 
-    Callers keep start + T <= S (the engine allocates slack), since dynamic_update_slice would clamp.
+    One dynamic_update_slice per row: XLA updates those in place inside the loop, where a vmapped
+    update (a scatter) copied the whole cache. Callers keep start + T <= S (dynamic_update_slice clamps).
     """
-    def write_row(rows: jax.Array, row_new: jax.Array, row_start: jax.Array) -> jax.Array:
-        block = jnp.swapaxes(row_new, 0, 1)[None].astype(rows.dtype)  # [1, Hkv, T, D]
-        return jax.lax.dynamic_update_slice(rows, block, (layer, 0, row_start, 0))
-
-    return jax.vmap(write_row, in_axes=(1, 0, 0), out_axes=1)(cache, new, start)
+    blocks = jnp.swapaxes(new, 1, 2).astype(cache.dtype)  # [B, Hkv, T, D]
+    for b in range(new.shape[0]):
+        cache = jax.lax.dynamic_update_slice(cache, blocks[b][None, None], (layer, b, 0, start[b], 0))
+    return cache
