@@ -1,0 +1,95 @@
+"""Attention dispatcher: the Pallas/Triton kernel on NVIDIA sm_80+, the pure-JAX reference elsewhere."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from specjax.kernels.attention_reference import attention_reference
+from specjax.kernels.attention_triton import KernelConfig, attention_triton, unsupported_reason
+
+Impl = Literal["auto", "reference", "triton"]
+_IMPLS = ("auto", "reference", "triton")
+# Triton's Pallas backend needs Ampere (sm_80) or newer.
+_MIN_COMPUTE_CAPABILITY = 8
+
+
+def choose_impl(device: jax.Device) -> Literal["reference", "triton"]:
+    """The implementation `impl="auto"` uses on `device`."""
+    if device.platform != "gpu":
+        return "reference"
+    capability = str(getattr(device, "compute_capability", ""))
+    major = capability.split(".")[0]
+    # ROCm devices report a gfx name here, not a number: they get the reference.
+    if not major.isdigit() or int(major) < _MIN_COMPUTE_CAPABILITY:
+        return "reference"
+    return "triton"
+
+
+def attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array | int,
+    start: jax.Array,
+    *,
+    scale: float,
+    impl: Impl = "auto",
+    interpret: bool = False,
+    config: KernelConfig | None = None,
+) -> jax.Array:
+    """Causal GQA attention of q [B,T,Hq,D] against layer `layer` of k/v caches [L,B,Hkv,S,D].
+
+    Query t of row b sits at absolute position start[b] + t and sees slots <= start[b] + t
+    (its K/V already written). Returns [B,T,Hq,D] in q.dtype; softmax in fp32.
+    `interpret=True` runs the Triton kernel in Pallas interpret mode (CPU tests).
+    """
+    _check_inputs(q, k_cache, v_cache, layer, start, scale, impl)
+    chosen = _resolve_impl(impl, interpret, q.shape, k_cache.shape)
+    if chosen == "reference":
+        return attention_reference(q, k_cache, v_cache, layer, start, scale=scale)
+    return attention_triton(q, k_cache, v_cache, layer, start, scale=scale, config=config,
+                            interpret=interpret)
+
+
+def _resolve_impl(impl: Impl, interpret: bool, q_shape: tuple[int, ...],
+                  cache_shape: tuple[int, ...]) -> Literal["reference", "triton"]:
+    """The implementation to run: explicit choice, else the kernel where it runs and fits."""
+    reason = unsupported_reason(q_shape, cache_shape)
+    if impl == "triton":
+        if reason is not None:
+            raise ValueError(f"attention(impl='triton'): {reason}; use impl='auto' or 'reference'")
+        return "triton"
+    if impl == "reference":
+        return "reference"
+    wanted = "triton" if interpret else choose_impl(jax.devices()[0])
+    return "reference" if reason is not None else wanted
+
+
+def _check_inputs(q, k_cache, v_cache, layer, start, scale, impl) -> None:
+    """Raise a clear error for inconsistent inputs before anything is compiled."""
+    if impl not in _IMPLS:
+        raise ValueError(f"attention: impl={impl!r} is not one of {_IMPLS}")
+    if not isinstance(scale, (int, float)):
+        raise TypeError(f"attention: scale must be a Python float (static), got {type(scale).__name__}")
+    if q.ndim != 4:
+        raise ValueError(f"attention: q must be [B, T, Hq, D], got shape {q.shape}")
+    if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
+        raise ValueError("attention: k_cache and v_cache must both be [L, B, Hkv, S, D], got "
+                         f"{k_cache.shape} and {v_cache.shape}")
+    batch, _, num_q_heads, head_dim = q.shape
+    _, cache_batch, num_kv_heads, _, cache_head_dim = k_cache.shape
+    if cache_batch != batch or cache_head_dim != head_dim:
+        raise ValueError(f"attention: cache {k_cache.shape} does not match q {q.shape} in batch "
+                         "(axis 1 vs 0) or head_dim (last axis)")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"attention: Hq={num_q_heads} must be a multiple of Hkv={num_kv_heads}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise TypeError("attention: q, k_cache and v_cache must share one float dtype, got "
+                        f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if start.shape != (batch,) or not jnp.issubdtype(start.dtype, jnp.integer):
+        raise ValueError(f"attention: start must be int [B={batch}], got {start.dtype} {start.shape}")
+    if jnp.ndim(layer) != 0:
+        raise ValueError(f"attention: layer must be a scalar int, got shape {jnp.shape(layer)}")

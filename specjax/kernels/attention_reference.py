@@ -1,0 +1,76 @@
+"""Pure-JAX verify/decode attention over a stacked head-major KV cache.
+
+Ground truth for the Pallas kernel and the attention used on CPUs and older GPUs.
+Query t of row b sits at absolute position start[b] + t and sees cache slots
+s <= start[b] + t of the selected layer (bottom-right causal), so one function
+covers decode (T = 1), verify (T = k + 1) and prefill (T = prompt bucket).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Prefill with thousands of queries would build a [B, Hq, T, S] fp32 logits
+# tensor; queries are processed in chunks of this many tokens to bound memory.
+QUERY_CHUNK = 512
+
+
+def attention_reference(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array | int,
+    start: jax.Array,
+    *,
+    scale: float,
+) -> jax.Array:
+    """Causal GQA attention of q [B,T,Hq,D] against layer `layer` of a [L,B,Hkv,S,D] cache."""
+    k = lax.dynamic_index_in_dim(k_cache, layer, axis=0, keepdims=False)
+    v = lax.dynamic_index_in_dim(v_cache, layer, axis=0, keepdims=False)
+    num_tokens = q.shape[1]
+    start = start.astype(jnp.int32)
+    # Slots past the last token written by this call are garbage (possibly NaN);
+    # zero them so that a zero probability times garbage cannot poison the sum.
+    written = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :] < (start + num_tokens)[:, None]
+    v = jnp.where(written[:, None, :, None], v, jnp.zeros((), v.dtype))
+    if num_tokens <= QUERY_CHUNK:
+        return _attend(q, k, v, start, scale)
+    return _attend_in_chunks(q, k, v, start, scale)
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, first_position: jax.Array,
+            scale: float) -> jax.Array:
+    """Attention of queries at positions first_position[b] + t against one layer's k, v [B,Hkv,S,D]."""
+    batch, num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_slots = k.shape[1], k.shape[2]
+    group = num_q_heads // num_kv_heads
+    # Group the q heads of one kv head instead of repeating K/V (no copy of the cache).
+    grouped_q = q.reshape(batch, num_tokens, num_kv_heads, group, head_dim)
+    logits = jnp.einsum("bthgd,bhsd->bhgts", grouped_q, k,
+                        preferred_element_type=jnp.float32) * scale
+    positions = first_position[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+    visible = jnp.arange(num_slots, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+    logits = jnp.where(visible[:, None, None, :, :], logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bhgts,bhsd->bthgd", probs, v.astype(jnp.float32))
+    return out.reshape(batch, num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _attend_in_chunks(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
+                      scale: float) -> jax.Array:
+    """_attend over consecutive query chunks of QUERY_CHUNK tokens (long prefill)."""
+    batch, num_tokens, num_q_heads, head_dim = q.shape
+    num_chunks = -(-num_tokens // QUERY_CHUNK)
+    padded = jnp.pad(q, ((0, 0), (0, num_chunks * QUERY_CHUNK - num_tokens), (0, 0), (0, 0)))
+    chunks = padded.reshape(batch, num_chunks, QUERY_CHUNK, num_q_heads, head_dim).swapaxes(0, 1)
+    offsets = jnp.arange(num_chunks, dtype=jnp.int32) * QUERY_CHUNK
+
+    def attend_chunk(chunk_and_offset):
+        chunk, offset = chunk_and_offset
+        return _attend(chunk, k, v, start + offset, scale)
+
+    out = lax.map(attend_chunk, (chunks, offsets))
+    out = out.swapaxes(0, 1).reshape(batch, num_chunks * QUERY_CHUNK, num_q_heads, head_dim)
+    return out[:, :num_tokens]

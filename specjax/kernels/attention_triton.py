@@ -1,0 +1,218 @@
+"""Verify/decode attention as a Pallas kernel lowered through Triton (NVIDIA sm_80+).
+
+Flash-decoding structure (after the facts of JAX's `pallas/ops/gpu/decode_attention.py`,
+written anew for a stacked head-major cache):
+- one program per (batch row b, kv head h, KV split, row tile); the G = Hq / Hkv query
+  heads of kv head h and the T tokens are folded into the rows of one [T*G, D] matrix
+  (row r = t * G + g), so one K/V block read from memory serves every query that needs it;
+- each program walks KV blocks only up to the last slot its rows can see (start + t);
+- when B * Hkv gives too few programs to fill the GPU, the visible range is split
+  across the grid and the partial results are merged with a log-sum-exp weighting;
+- K and V are read straight out of the full [L, B, Hkv, S, D] cache, indexed by the
+  layer scalar inside the kernel, so the layer's K/V is never sliced out (no copy);
+- loads past the last written slot are masked with a zero fill: garbage slots are
+  never read, and interpret mode (which pads refs with NaN) stays exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+# Running-max start value: finite, so a row with nothing visible yet keeps
+# exp(m_old - m_new) = 1 and exp(-inf - m) = 0 instead of NaN from -inf - -inf.
+_MAX_INIT = -1e30
+_LOG2_E = 1.4426950408889634
+# Triton's matrix units need at least 16 rows per dot.
+_MIN_ROWS = 16
+# Rows per program beyond which a tile's fp32 accumulators crowd the registers.
+_MAX_ROWS_PER_TILE = 128
+# SM count of an H100/H200, used when the device does not report one.
+_DEFAULT_SM_COUNT = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Static launch parameters of the kernel (all part of the compiled program)."""
+
+    block_k: int = 64           # cache slots per K/V block
+    rows_per_tile: int = 16     # query rows (tokens x grouped heads) per program
+    num_splits: int = 1         # programs sharing one (b, kv head, tile) along the KV axis
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _previous_power_of_two(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def unsupported_reason(q_shape: tuple[int, ...], cache_shape: tuple[int, ...]) -> str | None:
+    """Why the kernel cannot run these shapes, or None when it can."""
+    head_dim = q_shape[-1]
+    if head_dim < 16 or head_dim != _next_power_of_two(head_dim):
+        return f"head_dim={head_dim} must be a power of two >= 16 for the Triton kernel"
+    if cache_shape[3] < 16:
+        return f"cache length S={cache_shape[3]} must be >= 16 for the Triton kernel"
+    return None
+
+
+def default_config(q_shape: tuple[int, ...], cache_shape: tuple[int, ...],
+                   sm_count: int = _DEFAULT_SM_COUNT) -> KernelConfig:
+    """Launch parameters for these shapes: enough programs to fill `sm_count` SMs."""
+    batch, num_tokens, num_q_heads, _ = q_shape
+    num_kv_heads, num_slots = cache_shape[2], cache_shape[3]
+    rows = num_tokens * (num_q_heads // num_kv_heads)
+    rows_per_tile = min(max(_MIN_ROWS, _next_power_of_two(rows)), _MAX_ROWS_PER_TILE)
+    num_tiles = -(-rows // rows_per_tile)
+    # Smaller K blocks for many rows keep the [rows, block_k] logits in registers.
+    block_k = min(64 if rows_per_tile >= 64 else 128, max(16, _next_power_of_two(num_slots)))
+    programs = batch * num_kv_heads * num_tiles
+    # Aim for about two programs per SM, with at least four blocks per split of a full cache.
+    wanted = _next_power_of_two(-(-2 * sm_count // programs))
+    num_splits = min(wanted, _previous_power_of_two(num_slots // (4 * block_k)), 64)
+    num_warps = 8 if rows_per_tile >= 64 else 4
+    return KernelConfig(block_k=block_k, rows_per_tile=rows_per_tile, num_splits=num_splits,
+                        num_warps=num_warps, num_stages=2)
+
+
+def attention_triton(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array | int,
+    start: jax.Array,
+    *,
+    scale: float,
+    config: KernelConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal GQA attention of q [B,T,Hq,D] against layer `layer` of a [L,B,Hkv,S,D] cache."""
+    batch, num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if config is None:
+        config = default_config(q.shape, k_cache.shape)
+    group = num_q_heads // num_kv_heads
+    num_tiles = -(-(num_tokens * group) // config.rows_per_tile)
+    splits = config.num_splits
+    # q and the output keep their [B,T,Hq,D] layout (flattened to rows, a free reshape):
+    # the kernel gathers and scatters the rows of its (b, kv head) itself, so no
+    # transpose or padding copies surround the kernel.
+    flat_rows = batch * num_tokens * num_q_heads
+    kernel = functools.partial(
+        _attention_kernel, scale=scale, group=group, num_tokens=num_tokens,
+        num_q_heads=num_q_heads, rows_per_tile=config.rows_per_tile, block_k=config.block_k,
+        num_splits=splits,
+        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT)
+    in_specs = [
+        pl.BlockSpec((1,), lambda b, h, j, i: (0,)),
+        pl.BlockSpec((1,), lambda b, h, j, i: (b,)),
+        # Unblocked: the kernel indexes rows of q and the layer of the cache itself,
+        # so neither q nor the layer's K/V is ever copied.
+        pl.BlockSpec(),
+        pl.BlockSpec(),
+        pl.BlockSpec(),
+    ]
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct((flat_rows, head_dim), q.dtype)
+        out_specs = pl.BlockSpec()
+    else:
+        out_shape = (jax.ShapeDtypeStruct((splits, flat_rows, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((splits, flat_rows), jnp.float32))
+        out_specs = (pl.BlockSpec(), pl.BlockSpec())
+    result = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, splits, num_tiles),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plt.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
+        interpret=interpret,
+        name="specjax_decode_attention",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), start.astype(jnp.int32),
+      q.reshape(flat_rows, head_dim), k_cache, v_cache)
+    if splits > 1:
+        result = _merge_splits(*result).astype(q.dtype)
+    return result.reshape(q.shape)
+
+
+def _merge_splits(partial_out: jax.Array, partial_lse2: jax.Array) -> jax.Array:
+    """Combine per-split normalized outputs [P,N,D] by their base-2 log-sum-exp [P,N]."""
+    # Split 0 always holds slot 0, which every row sees, so the max is finite.
+    top = partial_lse2.max(axis=0, keepdims=True)
+    weights = jnp.exp2(partial_lse2 - top)
+    return (partial_out * weights[..., None]).sum(axis=0) / weights.sum(axis=0)[..., None]
+
+
+def _attention_kernel(layer_ref, start_ref, q_ref, k_ref, v_ref, out_ref, lse_ref=None, *,
+                      scale: float, group: int, num_tokens: int, num_q_heads: int,
+                      rows_per_tile: int, block_k: int, num_splits: int,
+                      precision: lax.Precision) -> None:
+    """One (b, kv head, split, row tile): online softmax over this split's visible KV blocks."""
+    b, h, split, tile = (pl.program_id(axis) for axis in range(4))
+    layer = layer_ref[0]
+    start = start_ref[0]
+    row = tile * rows_per_tile + lax.broadcasted_iota(jnp.int32, (rows_per_tile,), 0)
+    real_row = row < num_tokens * group
+    token = lax.div(row, group)
+    # Row (t, g) of kv head h is q head h * G + g of token t; rows past the last token
+    # point one past the end of the array, where a masked access never lands.
+    flat_row = jnp.where(real_row, (b * num_tokens + token) * num_q_heads + h * group + lax.rem(row, group),
+                         q_ref.shape[0])[:, None]
+    columns = lax.broadcasted_iota(jnp.int32, (1, q_ref.shape[1]), 1)
+    # Exclusive end of the slots each row sees: its token's position + 1.
+    row_end = start + token + 1
+    last_token = jnp.minimum(lax.div(tile * rows_per_tile + rows_per_tile - 1, group), num_tokens - 1)
+    tile_end = start + last_token + 1
+    # Split [0, tile_end) into num_splits block-aligned ranges of the live length.
+    per_split = pl.cdiv(pl.cdiv(tile_end, num_splits), block_k) * block_k
+    lo = split * per_split
+    hi = jnp.minimum(lo + per_split, tile_end)
+    num_blocks = jnp.maximum(pl.cdiv(hi - lo, block_k), 0)
+
+    q = plt.load(q_ref.at[flat_row, columns], mask=real_row[:, None], other=0.0)
+    # Softmax in base 2: fold log2(e) into the scale so exp2 replaces exp.
+    scale2 = scale * _LOG2_E
+    offsets = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+
+    def visit_block(index, carry):
+        acc, row_max, row_sum = carry
+        first = lo + index * block_k
+        slots = first + offsets
+        # Zero-fill past `hi` (<= last written slot + 1 <= S): never reads garbage or out of bounds.
+        loadable = (slots < hi)[:, None]
+        block = pl.ds(pl.multiple_of(first, block_k), block_k)
+        k = plt.load(k_ref.at[layer, b, h, block, :], mask=loadable, other=0.0)
+        logits = plt.dot(q, k, trans_b=True, precision=precision) * scale2
+        logits = jnp.where(slots[None, :] < row_end[:, None], logits, -jnp.inf)
+        new_max = jnp.maximum(row_max, logits.max(axis=1))
+        rescale = jnp.exp2(row_max - new_max)
+        probs = jnp.exp2(logits - new_max[:, None])
+        v = plt.load(v_ref.at[layer, b, h, block, :], mask=loadable, other=0.0)
+        acc = acc * rescale[:, None] + plt.dot(probs.astype(v.dtype), v, precision=precision)
+        return acc, new_max, row_sum * rescale + probs.sum(axis=1)
+
+    init = (jnp.zeros(q.shape, jnp.float32),
+            jnp.full((rows_per_tile,), _MAX_INIT, jnp.float32),
+            jnp.zeros((rows_per_tile,), jnp.float32))
+    acc, row_max, row_sum = lax.fori_loop(0, num_blocks, visit_block, init)
+    has_mass = row_sum > 0
+    safe_sum = jnp.where(has_mass, row_sum, 1.0)
+    normalized = acc / safe_sum[:, None]
+    if lse_ref is None:
+        plt.store(out_ref.at[flat_row, columns], normalized.astype(out_ref.dtype),
+                  mask=real_row[:, None])
+        return
+    plt.store(out_ref.at[split, flat_row, columns], normalized, mask=real_row[:, None])
+    lse2 = jnp.where(has_mass, row_max + jnp.log2(safe_sum), -jnp.inf)
+    plt.store(lse_ref.at[split, flat_row[:, 0]], lse2, mask=real_row)
