@@ -32,7 +32,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
-                 tensor_parallel_size: int = 1, max_model_len: int | None = None, max_num_seqs: int = 32,
+                 tensor_parallel_size: int = 1, max_model_len: int | None = None, max_num_seqs: int = 16,
                  seed: int = 0, gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
                  trust_remote_code: bool = False, revision: str | None = None,
                  speculative_config: dict | None = None, **kwargs: Any):
