@@ -1,0 +1,343 @@
+"""Verify/decode attention on a GPU: correctness against the reference, then bandwidth.
+
+Run in one device call:  PYTHONPATH=. python benchmarks/bench_attention.py [--sweep]
+1. checks the Triton kernel against the reference on several shapes (GQA 1/4/8, mixed lengths,
+   NaN garbage past each row's last token, fp32 and bf16, a prefill) and that the compiled
+   program never copies a layer's K/V out of the stacked cache;
+2. measures the device copy bandwidth (the ceiling);
+3. times kernel and reference per layer, rotating through distinct cache layers so the data is
+   not served from L2 (back-to-back calls and a jitted lax.scan over layers, see time_case) for the
+   Llama-3.1-8B attention shape (Hq=32, Hkv=8, D=128, bf16), T in 1/4/8/16, context
+   1024/4096/16384, batch 1 and 8. Bandwidth = K+V bytes of the visible context / time.
+`--sweep` also times launch-parameter variants on the key shapes. Prints a table; writes
+JSON to $OUT (or ./) as bench_attention.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from specjax.kernels.attention import attention, choose_impl
+from specjax.kernels.attention_reference import attention_reference
+from specjax.kernels.attention_triton import KernelConfig, attention_triton, default_config
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+TOKENS = (1, 4, 8, 16)
+CONTEXTS = (1024, 4096, 16384)
+BATCHES = (1, 8)
+# Enough distinct layers that one timed pass reads far more than the 60 MB L2.
+ROTATION_BYTES = 1 << 30
+REPEATS = 10
+
+
+_BEGIN = time.perf_counter()
+
+
+def log(*parts) -> None:
+    print(f"[{time.perf_counter() - _BEGIN:6.1f}s]", *parts, flush=True)
+
+
+def median_seconds(run, repeats: int = REPEATS) -> float:
+    """Median wall time of run() (which blocks until the device is done), after two warm-ups."""
+    run()
+    run()
+    times = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> dict:
+    """Device-to-device bandwidth of a large elementwise pass and a plain copy (read + write)."""
+    x = jax.random.normal(jax.random.key(0), (1 << 28,), jnp.float32)  # 1 GiB
+    results = {}
+    for name, fn in (("x+1", jax.jit(lambda a: a + 1)), ("copy", jax.jit(jnp.copy))):
+        seconds = median_seconds(lambda: fn(x).block_until_ready())
+        results[name] = 2 * x.nbytes / seconds / 1e9
+    results["ceiling_gbs"] = max(results.values())
+    return results
+
+
+def random_cache(key, layers, batch, slots, starts, tokens, dtype, poison=True):
+    """Random q-compatible K/V caches; slots past each row's last written token are NaN."""
+    k_key, v_key = jax.random.split(key)
+    shape = (layers, batch, KV_HEADS, slots, HEAD_DIM)
+    k = jax.random.normal(k_key, shape, dtype)
+    v = jax.random.normal(v_key, shape, dtype)
+    if poison:
+        written = jnp.arange(slots)[None, :] < (starts + tokens)[:, None]
+        mask = written[None, :, None, :, None]
+        k = jnp.where(mask, k, jnp.nan)
+        v = jnp.where(mask, v, jnp.nan)
+    return k, v
+
+
+def relative_error(out, expected) -> float:
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    expected = np.asarray(expected.astype(jnp.float32), np.float64)
+    if not np.isfinite(out).all():
+        return float("nan")
+    return float(np.linalg.norm(out - expected) / np.linalg.norm(expected))
+
+
+def check_correctness() -> list[dict]:
+    """Kernel vs reference (fp32 reference at highest matmul precision) on varied shapes."""
+    cases = [
+        # batch, tokens, q_heads, kv_heads, slots, head_dim, dtype
+        (4, 1, 32, 8, 1000, 128, jnp.bfloat16),
+        (3, 5, 32, 8, 4096, 128, jnp.bfloat16),
+        (2, 16, 64, 8, 2048, 128, jnp.bfloat16),
+        (5, 3, 16, 16, 777, 64, jnp.float32),
+        (2, 9, 28, 4, 1500, 128, jnp.float32),
+        (1, 600, 32, 8, 1024, 128, jnp.bfloat16),   # prefill: row tiles
+        (8, 4, 32, 8, 4096, 128, jnp.bfloat16),
+    ]
+    results = []
+    key = jax.random.key(1)
+    for batch, tokens, q_heads, kv_heads, slots, head_dim, dtype in cases:
+        key, q_key, s_key, c_key = jax.random.split(key, 4)
+        starts = jax.random.randint(s_key, (batch,), 0, slots - tokens + 1).at[0].set(0)
+        q = jax.random.normal(q_key, (batch, tokens, q_heads, head_dim), dtype)
+        k_key, v_key = jax.random.split(c_key)
+        shape = (2, batch, kv_heads, slots, head_dim)
+        written = (jnp.arange(slots)[None, :] < (starts + tokens)[:, None])[None, :, None, :, None]
+        k = jnp.where(written, jax.random.normal(k_key, shape, dtype), jnp.nan)
+        v = jnp.where(written, jax.random.normal(v_key, shape, dtype), jnp.nan)
+        scale = head_dim ** -0.5
+        out = jax.jit(lambda q, k, v, s: attention(q, k, v, jnp.int32(1), s, scale=scale,
+                                                   impl="triton"))(q, k, v, starts)
+        with jax.default_matmul_precision("highest"):
+            expected = jax.jit(lambda q, k, v, s: attention_reference(
+                q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                jnp.int32(1), s, scale=scale))(q, k, v, starts)
+        error = relative_error(out, expected)
+        tolerance = 1e-4 if dtype == jnp.float32 else 1e-2
+        config = default_config(q.shape, k.shape)
+        results.append(dict(shape=[batch, tokens, q_heads, kv_heads, slots, head_dim],
+                            dtype=jnp.dtype(dtype).name, rel_error=error, tolerance=tolerance,
+                            ok=bool(error < tolerance), config=dataclasses.asdict(config)))
+        log(f"check B={batch} T={tokens} Hq={q_heads} Hkv={kv_heads} S={slots} D={head_dim} "
+            f"{jnp.dtype(dtype).name}: rel_error={error:.2e} "
+            f"{'OK' if error < tolerance else 'FAIL'} {config}")
+    return results
+
+
+def layer_scan(fn):
+    """Jitted: fn applied to every layer of the stacked cache inside lax.scan (like the model)."""
+
+    @jax.jit
+    def run(q, k, v, start):
+        def step(carry, layer):
+            return carry, fn(q, k, v, layer, start)
+        return lax.scan(step, None, jnp.arange(k.shape[0], dtype=jnp.int32))[1]
+
+    return run
+
+
+def no_layer_copy(compiled_text: str, k) -> bool:
+    """True when no buffer of one layer's K/V shape appears in the optimized HLO."""
+    layer_shape = ",".join(str(d) for d in k.shape[1:])
+    return f"{jnp.dtype(k.dtype).name}[{layer_shape}]" not in compiled_text
+
+
+def rotation_layers(batch: int, context: int) -> int:
+    """Distinct cache layers to cycle through so that a timed pass is not served from L2."""
+    layer_bytes = 2 * batch * KV_HEADS * context * HEAD_DIM * 2
+    return int(min(64, max(2, math.ceil(ROTATION_BYTES / layer_bytes))))
+
+
+def time_case(batch, tokens, context, configs) -> dict:
+    """Per-layer times of the kernel (each config) and the reference at one shape.
+
+    Two ways, both rotating through `layers` cache slabs: back-to-back jitted calls (one per
+    layer; dispatch is asynchronous, so it hides behind kernels longer than a few us) and one
+    jitted lax.scan over the layers (the model's form; its while loop has a per-iteration
+    cost). Each is an upper bound on the device time; `us` is the smaller.
+    """
+    dtype = jnp.bfloat16
+    layers = rotation_layers(batch, context)
+    start = jnp.full((batch,), context - tokens, jnp.int32)
+    key = jax.random.key(batch * 100003 + tokens * 101 + context)
+    q = jax.random.normal(key, (batch, tokens, HEADS, HEAD_DIM), dtype)
+    k, v = random_cache(jax.random.fold_in(key, 1), layers, batch, context, start, tokens, dtype,
+                        poison=False)
+    layer_ids = [jnp.int32(i) for i in range(layers)]
+    read_bytes = 2 * batch * KV_HEADS * context * HEAD_DIM * jnp.dtype(dtype).itemsize
+    scale = HEAD_DIM ** -0.5
+
+    def measure(fn, scan_too):
+        call = jax.jit(fn)
+
+        def calls():
+            outs = [call(q, k, v, layer, start) for layer in layer_ids]
+            outs[-1].block_until_ready()
+
+        timing = dict(calls_us=median_seconds(calls) / layers * 1e6)
+        if scan_too:
+            scan = layer_scan(fn)
+            timing["scan_us"] = median_seconds(
+                lambda: scan(q, k, v, start).block_until_ready()) / layers * 1e6
+        timing["us"] = min(timing.values())
+        timing["gbs"] = read_bytes / timing["us"] / 1e3
+        return timing
+
+    row = dict(batch=batch, tokens=tokens, context=context, layers=layers, kv_bytes=read_bytes,
+               kernel=[])
+    for index, config in enumerate(configs):
+        timing = measure(lambda q, k, v, l, s, c=config: attention_triton(
+            q, k, v, l, s, scale=scale, config=c), scan_too=index == 0)
+        row["kernel"].append(dict(config=dataclasses.asdict(config), **timing))
+    row["reference"] = measure(
+        lambda q, k, v, l, s: attention_reference(q, k, v, l, s, scale=scale), scan_too=True)
+    return row
+
+
+def sweep_configs(batch, tokens, context) -> list[KernelConfig]:
+    """Default first, then variants of block_k, splits, warps (and stages for the default)."""
+    base = default_config((batch, tokens, HEADS, HEAD_DIM), (1, batch, KV_HEADS, context, HEAD_DIM))
+    variants = [base, dataclasses.replace(base, num_stages=3), dataclasses.replace(base, num_stages=1)]
+    split_choices = (2, 4, 8) if batch * KV_HEADS >= 64 else (8, 16, 32)
+    for block_k in (64, 128):
+        for splits in split_choices:
+            for warps in (4, 8):
+                variants.append(dataclasses.replace(base, block_k=block_k, num_splits=splits,
+                                                    num_warps=warps))
+    return list(dict.fromkeys(variants))
+
+
+def jax_flash_decoding(batch, context) -> dict:
+    """JAX's own Pallas flash decoding (T=1) on per-layer [B,Hkv,S,D] caches, its per-call
+    K/V transpose left out (its kernel on our layout), for comparison."""
+    import functools
+
+    from jax.experimental.pallas.ops.gpu import decode_attention
+
+    dtype = jnp.bfloat16
+    layers = rotation_layers(batch, context)
+    group = HEADS // KV_HEADS
+    key = jax.random.key(7)
+    q = jax.random.normal(key, (batch, KV_HEADS, group, HEAD_DIM), dtype)
+    caches = [jax.random.normal(jax.random.fold_in(key, i), (batch, KV_HEADS, context, HEAD_DIM),
+                                dtype) for i in range(2 * layers)]
+    inner = functools.partial(
+        decode_attention.decode_attn_unbatched, sm_scale=HEAD_DIM ** -0.5, block_h=16,
+        block_k=128, k_splits=16, num_warps=None, num_stages=2, grid=None, interpret=False,
+        debug=False, return_residuals=False, normalize_output=True)
+    per_head = jax.vmap(jax.vmap(inner, in_axes=(0, 0, 0, None, None)),
+                        in_axes=(0, 0, 0, None, None))
+
+    call = jax.jit(lambda q, k, v: per_head(q, k, v, None, None))
+
+    def calls():
+        outs = [call(q, caches[2 * i], caches[2 * i + 1]) for i in range(layers)]
+        outs[-1].block_until_ready()
+
+    seconds = median_seconds(calls) / layers
+    read_bytes = 2 * batch * KV_HEADS * context * HEAD_DIM * 2
+    return dict(batch=batch, context=context, us=seconds * 1e6, gbs=read_bytes / seconds / 1e9)
+
+
+def compiled_program_report(batch=8, tokens=4, context=4096) -> dict:
+    """Check the optimized HLO of the scan: the triton call is there and no layer copy is."""
+    dtype = jnp.bfloat16
+    start = jnp.full((batch,), context - tokens, jnp.int32)
+    q = jnp.zeros((batch, tokens, HEADS, HEAD_DIM), dtype)
+    k = jnp.zeros((4, batch, KV_HEADS, context, HEAD_DIM), dtype)
+    scale = HEAD_DIM ** -0.5
+    report = {}
+    for name, fn in (("auto", lambda q, k, v, l, s: attention(q, k, v, l, s, scale=scale)),
+                     ("reference", lambda q, k, v, l, s: attention_reference(q, k, v, l, s,
+                                                                             scale=scale))):
+        compiled = layer_scan(fn).lower(q, k, k, start).compile()
+        text = compiled.as_text()
+        memory = compiled.memory_analysis()
+        report[name] = dict(
+            triton_call=("triton" in text.lower()),
+            no_layer_copy=no_layer_copy(text, k),
+            temp_bytes=getattr(memory, "temp_size_in_bytes", None))
+        if name == "auto":
+            out_dir = os.environ.get("OUT", ".")
+            with open(os.path.join(out_dir, "bench_attention_hlo.txt"), "w") as f:
+                f.write(text)
+    log("compiled program:", report)
+    return report
+
+
+def print_table(rows, ceiling) -> None:
+    log(f"\nceiling (device copy, read+write): {ceiling:.0f} GB/s")
+    log(f"{'B':>2} {'T':>3} {'ctx':>6} | {'kernel us':>9} {'GB/s':>6} {'%copy':>6} | "
+        f"{'in scan':>7} | {'ref us':>8} {'GB/s':>6} | {'speedup':>7} | best config")
+    for row in rows:
+        best = min(row["kernel"], key=lambda r: r["us"])
+        ref = row.get("reference", {})
+        cfg = best["config"]
+        log(f"{row['batch']:>2} {row['tokens']:>3} {row['context']:>6} | {best['us']:9.1f} "
+            f"{best['gbs']:6.0f} {100 * best['gbs'] / ceiling:5.1f}% | "
+            f"{row['kernel'][0].get('scan_us', float('nan')):7.1f} | "
+            f"{ref.get('us', float('nan')):8.1f} {ref.get('gbs', float('nan')):6.0f} | "
+            f"{ref.get('us', float('nan')) / best['us']:6.1f}x | "
+            f"bk={cfg['block_k']} rows={cfg['rows_per_tile']} splits={cfg['num_splits']} "
+            f"warps={cfg['num_warps']} stages={cfg['num_stages']}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="time launch-parameter variants")
+    parser.add_argument("--skip-jax", action="store_true", help="skip JAX's flash decoding")
+    args = parser.parse_args()
+    device = jax.devices()[0]
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                device=device.device_kind, jax=jax.__version__, command=" ".join(sys.argv),
+                choose_impl=choose_impl(device))
+    log(meta)
+    results = dict(meta=meta)
+    results["correctness"] = check_correctness()
+    results["compiled"] = compiled_program_report()
+    results["copy"] = copy_bandwidth()
+    ceiling = results["copy"]["ceiling_gbs"]
+    log("copy bandwidth:", results["copy"])
+    if not args.skip_jax:
+        try:
+            results["jax_flash_decoding"] = [jax_flash_decoding(8, 4096),
+                                             jax_flash_decoding(1, 16384)]
+        except Exception as error:  # an internal JAX API: report, keep benchmarking
+            results["jax_flash_decoding"] = repr(error)
+        log("jax flash decoding (T=1):", results["jax_flash_decoding"])
+    rows = []
+    for batch in BATCHES:
+        for context in CONTEXTS:
+            for tokens in TOKENS:
+                key_shape = (batch, context) in ((8, 4096), (1, 16384)) and tokens in (1, 16)
+                configs = (sweep_configs(batch, tokens, context) if args.sweep and key_shape
+                           else [default_config((batch, tokens, HEADS, HEAD_DIM),
+                                                (1, batch, KV_HEADS, context, HEAD_DIM))])
+                rows.append(time_case(batch, tokens, context, configs))
+                best = min(rows[-1]["kernel"], key=lambda r: r["us"])
+                log(f"B={batch} T={tokens} ctx={context}: default {rows[-1]['kernel'][0]['gbs']:.0f} "
+                    f"GB/s, best {best['gbs']:.0f} GB/s {best['config']}, "
+                    f"reference {rows[-1]['reference']['gbs']:.0f} GB/s")
+    results["timings"] = rows
+    out_dir = os.environ.get("OUT", ".")
+    with open(os.path.join(out_dir, "bench_attention.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print_table(rows, ceiling)
+    return 0 if all(c["ok"] for c in results["correctness"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
