@@ -10,7 +10,8 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from checkpoints_conv.safetensors_loader import load_params, resolve_dtype
+from checkpoints_conv import load_checkpoint
+from checkpoints_conv.safetensors_loader import resolve_dtype
 from specjax import config as config_lib
 from specjax.engine.proposers.build import build_proposer
 from specjax.engine.runner import Request, RowResult, WaveRunner
@@ -51,7 +52,7 @@ class LLM:
             speculative_config, target_max_model_len=self.max_model_len,
             target_tensor_parallel_size=tensor_parallel_size)
         self.dtype = jnp.dtype(resolve_dtype(self.config.dtype, self.model_config))
-        params = load_params(path, self.model_config, self.dtype)
+        params = load_checkpoint(path, self.model_config, self.dtype)
         target = build_model(self.model_config, params, attention_impl=self.config.attention_impl)
         self.target_graph, self.params = nnx.split(target)
         self.proposer, self.draft_params = build_proposer(self.speculative_config, self.model_config, self.dtype,

@@ -207,3 +207,18 @@ def test_unknown_architecture_is_refused(default_model_dir, tmp_path):
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
         LLM(str(bad))
+
+
+def test_a_converted_orbax_checkpoint_generates_like_its_source(default_model_dir, tiny_checkpoint_factory, tmp_path):
+    from checkpoints_conv import convert_hf_to_orbax
+
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(tiny_checkpoint_factory("llama"), hf_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / name, hf_dir / name)
+    orbax_dir = convert_hf_to_orbax(hf_dir, tmp_path / "orbax")
+    prompt = {"prompt_token_ids": [5, 17, 42, 8]}
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = LLM(str(hf_dir), max_num_seqs=1).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    got = LLM(str(orbax_dir), max_num_seqs=1).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == expected and len(got) == 12

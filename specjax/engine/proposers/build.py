@@ -5,7 +5,7 @@ from typing import Any
 
 from flax import nnx
 
-from checkpoints_conv.safetensors_loader import load_params
+from checkpoints_conv import load_checkpoint
 from specjax import config as config_lib
 from specjax.engine.proposers.base import NoProposer, Proposer
 from specjax.engine.proposers.draft_model import DraftModelProposer
@@ -38,7 +38,7 @@ def build_proposer(spec: "config_lib.SpeculativeConfig | None", target_cfg: Mode
         path = resolve_model(spec.model, revision=spec.revision)
         draft_cfg = ModelConfig.from_dir(path)
         config_lib.check_draft_compatible(target_cfg, draft_cfg)
-        draft = build_model(draft_cfg, load_params(path, draft_cfg, dtype), attention_impl=attention_impl)
+        draft = build_model(draft_cfg, load_checkpoint(path, draft_cfg, dtype), attention_impl=attention_impl)
         graph, state = nnx.split(draft)
         return DraftModelProposer(graph, spec.num_speculative_tokens,
                                   probabilistic=spec.draft_sample_method == "probabilistic"), state
