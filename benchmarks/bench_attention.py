@@ -9,7 +9,8 @@ Run in one device call:  PYTHONPATH=. python benchmarks/bench_attention.py [--sw
    not served from L2 (back-to-back calls and a jitted lax.scan over layers, see time_case) for the
    Llama-3.1-8B attention shape (Hq=32, Hkv=8, D=128, bf16), T in 1/4/8/16, context
    1024/4096/16384, batch 1 and 8. Bandwidth = K+V bytes of the visible context / time.
-`--sweep` also times launch-parameter variants on the key shapes. Prints a table; writes
+`--sweep` also times launch-parameter variants on the key shapes (SWEEP_SHAPES); `--ncu`
+launches a few variants once each, for Nsight Compute. Prints a table; writes
 JSON to $OUT (or ./) as bench_attention.json.
 """
 
@@ -69,8 +70,32 @@ def copy_bandwidth() -> dict:
     for name, fn in (("x+1", jax.jit(lambda a: a + 1)), ("copy", jax.jit(jnp.copy))):
         seconds = median_seconds(lambda: fn(x).block_until_ready())
         results[name] = 2 * x.nbytes / seconds / 1e9
+    results.update(_torch_copy_bandwidth())
     results["ceiling_gbs"] = max(results.values())
     return results
+
+
+def _torch_copy_bandwidth() -> dict:
+    """A plain cudaMemcpy-style copy through PyTorch (CUDA events), where PyTorch is there."""
+    try:
+        import torch
+    except ImportError:
+        return {}
+    if not torch.cuda.is_available():
+        return {}
+    src = torch.randn(1 << 28, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    times = []
+    for index in range(REPEATS + 2):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if index >= 2:
+            times.append(begin.elapsed_time(end) / 1e3)
+    del src, dst
+    return {"torch_copy": 2 * (1 << 30) / statistics.median(times) / 1e9}
 
 
 def random_cache(key, layers, batch, slots, starts, tokens, dtype, poison=True):
@@ -152,7 +177,9 @@ def layer_scan(fn):
 def no_layer_copy(compiled_text: str, k) -> bool:
     """True when no buffer of one layer's K/V shape appears in the optimized HLO."""
     layer_shape = ",".join(str(d) for d in k.shape[1:])
-    return f"{jnp.dtype(k.dtype).name}[{layer_shape}]" not in compiled_text
+    dtype = jnp.dtype(k.dtype).name
+    return (f"{dtype}[{layer_shape}]" not in compiled_text
+            and f"{dtype}[1,{layer_shape}]" not in compiled_text)
 
 
 def rotation_layers(batch: int, context: int) -> int:
@@ -199,25 +226,36 @@ def time_case(batch, tokens, context, configs) -> dict:
     row = dict(batch=batch, tokens=tokens, context=context, layers=layers, kv_bytes=read_bytes,
                kernel=[])
     for index, config in enumerate(configs):
-        timing = measure(lambda q, k, v, l, s, c=config: attention_triton(
-            q, k, v, l, s, scale=scale, config=c), scan_too=index == 0)
+        try:
+            timing = measure(lambda q, k, v, l, s, c=config: attention_triton(
+                q, k, v, l, s, scale=scale, config=c), scan_too=index == 0)
+        except Exception as error:  # e.g. a variant needing more shared memory than the SM has
+            log(f"  {config}: failed: {str(error)[:200]}")
+            continue
         row["kernel"].append(dict(config=dataclasses.asdict(config), **timing))
     row["reference"] = measure(
         lambda q, k, v, l, s: attention_reference(q, k, v, l, s, scale=scale), scan_too=True)
     return row
 
 
+SWEEP_SHAPES = ((8, 1, 16384), (8, 1, 4096), (8, 16, 4096), (1, 1, 16384))
+
+
 def sweep_configs(batch, tokens, context) -> list[KernelConfig]:
-    """Default first, then variants of block_k, splits, warps (and stages for the default)."""
+    """Default first, then block_k x stages x splits (x warps for many rows) around it."""
     base = default_config((batch, tokens, HEADS, HEAD_DIM), (1, batch, KV_HEADS, context, HEAD_DIM))
-    variants = [base, dataclasses.replace(base, num_stages=3), dataclasses.replace(base, num_stages=1)]
-    split_choices = (2, 4, 8) if batch * KV_HEADS >= 64 else (8, 16, 32)
+    splits = (base.num_splits, 2 * base.num_splits)
+    many_rows = base.rows_per_tile >= 64
+    warps = (4, 8) if many_rows else (base.num_warps,)
+    variants = [base]
     for block_k in (64, 128):
-        for splits in split_choices:
-            for warps in (4, 8):
-                variants.append(dataclasses.replace(base, block_k=block_k, num_splits=splits,
-                                                    num_warps=warps))
-    return list(dict.fromkeys(variants))
+        for stages in (2, 3) if many_rows else (2, 3, 4):
+            for split in splits:
+                for warp in warps:
+                    variants.append(dataclasses.replace(base, block_k=block_k, num_stages=stages,
+                                                        num_splits=split, num_warps=warp))
+    # The default again, last: the spread between the two is the timing noise.
+    return list(dict.fromkeys(variants)) + [base]
 
 
 def jax_flash_decoding(batch, context) -> dict:
@@ -278,28 +316,63 @@ def compiled_program_report(batch=8, tokens=4, context=4096) -> dict:
     return report
 
 
+NCU_CASES = (
+    (8, 1, 16384, KernelConfig(block_k=128, num_splits=8, num_stages=2)),
+    (8, 1, 16384, KernelConfig(block_k=128, num_splits=4, num_stages=3)),
+    (8, 1, 16384, KernelConfig(block_k=64, num_splits=4, num_stages=3)),
+    (8, 1, 16384, KernelConfig(block_k=64, num_splits=8, num_stages=4)),
+    (8, 1, 4096, KernelConfig(block_k=128, num_splits=4, num_stages=2)),
+    (8, 1, 4096, KernelConfig(block_k=128, num_splits=4, num_stages=3)),
+    (8, 16, 4096, KernelConfig(block_k=128, rows_per_tile=64, num_splits=4, num_warps=8)),
+)
+
+
+def run_once_for_ncu() -> int:
+    """One launch per case (compiled first), in NCU_CASES order, for `ncu` to profile."""
+    for batch, tokens, context, config in NCU_CASES:
+        start = jnp.full((batch,), context - tokens, jnp.int32)
+        key = jax.random.key(tokens)
+        q = jax.random.normal(key, (batch, tokens, HEADS, HEAD_DIM), jnp.bfloat16)
+        k, v = random_cache(key, 1, batch, context, start, tokens, jnp.bfloat16, poison=False)
+        fn = jax.jit(lambda q, k, v, s, c=config: attention_triton(
+            q, k, v, jnp.int32(0), s, scale=HEAD_DIM ** -0.5, config=c))
+        compiled = fn.lower(q, k, v, start).compile()
+        jax.block_until_ready((q, k, v))
+        log(f"ncu case B={batch} T={tokens} ctx={context} {config}")
+        try:
+            compiled(q, k, v, start).block_until_ready()
+        except Exception as error:
+            log(f"  failed: {str(error)[:200]}")
+    return 0
+
+
 def print_table(rows, ceiling) -> None:
-    log(f"\nceiling (device copy, read+write): {ceiling:.0f} GB/s")
+    log(f"\nceiling (device copy, read+write): {ceiling:.0f} GB/s; kernel = default config")
     log(f"{'B':>2} {'T':>3} {'ctx':>6} | {'kernel us':>9} {'GB/s':>6} {'%copy':>6} | "
-        f"{'in scan':>7} | {'ref us':>8} {'GB/s':>6} | {'speedup':>7} | best config")
+        f"{'in scan':>7} | {'ref us':>8} {'GB/s':>6} | {'speedup':>7} | {'best swept':>10}")
     for row in rows:
+        default = row["kernel"][0]
         best = min(row["kernel"], key=lambda r: r["us"])
-        ref = row.get("reference", {})
+        ref = row["reference"]
         cfg = best["config"]
-        log(f"{row['batch']:>2} {row['tokens']:>3} {row['context']:>6} | {best['us']:9.1f} "
-            f"{best['gbs']:6.0f} {100 * best['gbs'] / ceiling:5.1f}% | "
-            f"{row['kernel'][0].get('scan_us', float('nan')):7.1f} | "
-            f"{ref.get('us', float('nan')):8.1f} {ref.get('gbs', float('nan')):6.0f} | "
-            f"{ref.get('us', float('nan')) / best['us']:6.1f}x | "
-            f"bk={cfg['block_k']} rows={cfg['rows_per_tile']} splits={cfg['num_splits']} "
-            f"warps={cfg['num_warps']} stages={cfg['num_stages']}")
+        swept = (f"{best['gbs']:6.0f} GB/s bk={cfg['block_k']} stages={cfg['num_stages']} "
+                 f"splits={cfg['num_splits']} warps={cfg['num_warps']}"
+                 if len(row["kernel"]) > 1 else "")
+        log(f"{row['batch']:>2} {row['tokens']:>3} {row['context']:>6} | {default['us']:9.1f} "
+            f"{default['gbs']:6.0f} {100 * default['gbs'] / ceiling:5.1f}% | "
+            f"{default.get('scan_us', float('nan')):7.1f} | {ref['us']:8.1f} {ref['gbs']:6.0f} | "
+            f"{ref['us'] / default['us']:6.1f}x | {swept}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time launch-parameter variants")
     parser.add_argument("--skip-jax", action="store_true", help="skip JAX's flash decoding")
+    parser.add_argument("--ncu", action="store_true",
+                        help="run a few configs once each, for Nsight Compute; no timing")
     args = parser.parse_args()
+    if args.ncu:
+        return run_once_for_ncu()
     device = jax.devices()[0]
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=device.device_kind, jax=jax.__version__, command=" ".join(sys.argv),
@@ -318,19 +391,24 @@ def main() -> int:
         except Exception as error:  # an internal JAX API: report, keep benchmarking
             results["jax_flash_decoding"] = repr(error)
         log("jax flash decoding (T=1):", results["jax_flash_decoding"])
+    shapes = [(b, t, c) for b in BATCHES for c in CONTEXTS for t in TOKENS]
     rows = []
-    for batch in BATCHES:
-        for context in CONTEXTS:
-            for tokens in TOKENS:
-                key_shape = (batch, context) in ((8, 4096), (1, 16384)) and tokens in (1, 16)
-                configs = (sweep_configs(batch, tokens, context) if args.sweep and key_shape
-                           else [default_config((batch, tokens, HEADS, HEAD_DIM),
-                                                (1, batch, KV_HEADS, context, HEAD_DIM))])
-                rows.append(time_case(batch, tokens, context, configs))
-                best = min(rows[-1]["kernel"], key=lambda r: r["us"])
-                log(f"B={batch} T={tokens} ctx={context}: default {rows[-1]['kernel'][0]['gbs']:.0f} "
-                    f"GB/s, best {best['gbs']:.0f} GB/s {best['config']}, "
-                    f"reference {rows[-1]['reference']['gbs']:.0f} GB/s")
+    for batch, tokens, context in shapes:
+        configs = (sweep_configs(batch, tokens, context)
+                   if args.sweep and (batch, tokens, context) in SWEEP_SHAPES
+                   else [default_config((batch, tokens, HEADS, HEAD_DIM),
+                                        (1, batch, KV_HEADS, context, HEAD_DIM))])
+        rows.append(time_case(batch, tokens, context, configs))
+        best = min(rows[-1]["kernel"], key=lambda r: r["us"])
+        log(f"B={batch} T={tokens} ctx={context}: default {rows[-1]['kernel'][0]['gbs']:.0f} "
+            f"GB/s, best {best['gbs']:.0f} GB/s {best['config']}, "
+            f"reference {rows[-1]['reference']['gbs']:.0f} GB/s")
+        ranked = sorted(rows[-1]["kernel"], key=lambda r: r["us"]) if len(configs) > 1 else []
+        for entry in ranked[:8]:
+            c = entry["config"]
+            log(f"    bk={c['block_k']:3d} stages={c['num_stages']} splits={c['num_splits']:2d} "
+                f"warps={c['num_warps']} rows={c['rows_per_tile']:3d}: {entry['us']:7.1f} us "
+                f"{entry['gbs']:6.0f} GB/s")
     results["timings"] = rows
     out_dir = os.environ.get("OUT", ".")
     with open(os.path.join(out_dir, "bench_attention.json"), "w") as f:

@@ -45,7 +45,7 @@ class KernelConfig:
     rows_per_tile: int = 16     # query rows (tokens x grouped heads) per program
     num_splits: int = 1         # programs sharing one (b, kv head, tile) along the KV axis
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
 
 
 def _next_power_of_two(n: int) -> int:
@@ -74,15 +74,17 @@ def default_config(q_shape: tuple[int, ...], cache_shape: tuple[int, ...],
     rows = num_tokens * (num_q_heads // num_kv_heads)
     rows_per_tile = min(max(_MIN_ROWS, _next_power_of_two(rows)), _MAX_ROWS_PER_TILE)
     num_tiles = -(-rows // rows_per_tile)
-    # Smaller K blocks for many rows keep the [rows, block_k] logits in registers.
-    block_k = min(64 if rows_per_tile >= 64 else 128, max(16, _next_power_of_two(num_slots)))
+    # 128-slot K/V blocks; 64 when a full 128-row tile would crowd the registers.
+    block_k = min(64 if rows_per_tile >= _MAX_ROWS_PER_TILE else 128,
+                  max(16, _next_power_of_two(num_slots)))
     programs = batch * num_kv_heads * num_tiles
-    # Aim for about two programs per SM, with at least four blocks per split of a full cache.
-    wanted = _next_power_of_two(-(-2 * sm_count // programs))
+    # About two programs per SM (rounded down to a power of two: H200 sweep, RESULTS.md),
+    # with at least four blocks per split of a full cache.
+    wanted = _previous_power_of_two(-(-2 * sm_count // programs))
     num_splits = min(wanted, _previous_power_of_two(num_slots // (4 * block_k)), 64)
     num_warps = 8 if rows_per_tile >= 64 else 4
     return KernelConfig(block_k=block_k, rows_per_tile=rows_per_tile, num_splits=num_splits,
-                        num_warps=num_warps, num_stages=2)
+                        num_warps=num_warps, num_stages=3)
 
 
 def attention_triton(
@@ -114,7 +116,7 @@ def attention_triton(
         num_splits=splits,
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT)
     in_specs = [
-        pl.BlockSpec((1,), lambda b, h, j, i: (0,)),
+        pl.BlockSpec(),  # layer: a 0-d int32, passed as is (no reshape op around the call)
         pl.BlockSpec((1,), lambda b, h, j, i: (b,)),
         # Unblocked: the kernel indexes rows of q and the layer of the cache itself,
         # so neither q nor the layer's K/V is ever copied.
@@ -139,7 +141,7 @@ def attention_triton(
                                            num_stages=config.num_stages),
         interpret=interpret,
         name="specjax_decode_attention",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), start.astype(jnp.int32),
+    )(jnp.asarray(layer, jnp.int32), start.astype(jnp.int32),
       q.reshape(flat_rows, head_dim), k_cache, v_cache)
     if splits > 1:
         result = _merge_splits(*result).astype(q.dtype)
@@ -160,7 +162,7 @@ def _attention_kernel(layer_ref, start_ref, q_ref, k_ref, v_ref, out_ref, lse_re
                       precision: lax.Precision) -> None:
     """One (b, kv head, split, row tile): online softmax over this split's visible KV blocks."""
     b, h, split, tile = (pl.program_id(axis) for axis in range(4))
-    layer = layer_ref[0]
+    layer = layer_ref[...]
     start = start_ref[0]
     row = tile * rows_per_tile + lax.broadcasted_iota(jnp.int32, (rows_per_tile,), 0)
     real_row = row < num_tokens * group
