@@ -25,8 +25,7 @@ def make_generate_fn(llm, sampling_params: SamplingParams) -> Callable:
     if sampling_params.n != 1:
         raise ValueError("make_generate_fn takes n=1: vmap the function over rng for several samples")
     k = llm.proposer.k
-    spec = LoopSpec(k=k, n_top=0, max_model_len=llm.max_model_len,
-                    synthetic_rates=llm.speculative_config.synthetic_rates() if llm.speculative_config else None)
+    spec = LoopSpec(k=k, n_top=0, max_model_len=llm.max_model_len)
     generate = build_generate(llm.target_graph, llm.proposer, spec)
     arrays = to_row_arrays([sampling_params], llm.model_config.vocab_size)
     stop_ids = llm._runner.row_stop_ids(sampling_params) or [-1]
@@ -47,7 +46,7 @@ def make_generate_fn(llm, sampling_params: SamplingParams) -> Callable:
             min_tokens=jnp.full((B,), sampling_params.min_tokens, jnp.int32),
             stop_ids=jnp.broadcast_to(jnp.asarray(stop_ids, jnp.int32), (B, len(stop_ids))))
         state = generate(params, draft_params, prompt_tokens.astype(jnp.int32),
-                         prompt_lengths.astype(jnp.int32), rows, cache_len)
+                         prompt_lengths.astype(jnp.int32), rows, cache_len, llm._runner.synthetic_rates)
         c = state.counters
         stats = {"num_drafts": c.num_drafts, "num_draft_tokens": c.num_draft_tokens,
                  "num_accepted_tokens": c.num_accepted, "num_accepted_tokens_per_pos": c.accepted_per_pos}

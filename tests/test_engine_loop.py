@@ -52,11 +52,12 @@ def _prompts():
 
 
 def _run(proposer, rows, k, synthetic=None):
-    fn = jax.jit(build_generate(TARGET[0], proposer, LoopSpec(k=k, n_top=0, max_model_len=MAX_LEN,
-                                                              synthetic_rates=synthetic)), static_argnums=5)
+    fn = jax.jit(build_generate(TARGET[0], proposer, LoopSpec(k=k, n_top=0, max_model_len=MAX_LEN)),
+                 static_argnums=5)
     tokens, lengths = _prompts()
+    rates = None if synthetic is None else jnp.asarray(synthetic, jnp.float32)
     return fn(TARGET[1], DRAFT[1] if isinstance(proposer, DraftModelProposer) else None,
-              tokens, lengths, rows, MAX_LEN + k + 1)
+              tokens, lengths, rows, MAX_LEN + k + 1, rates)
 
 
 def _generated(state):

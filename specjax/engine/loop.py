@@ -23,17 +23,19 @@ class LoopSpec:
     k: int                      # speculative tokens per step (0 = plain decoding)
     n_top: int                  # top logprobs kept per generated token
     max_model_len: int
-    synthetic_rates: tuple[float, ...] | None = None  # benchmark-only acceptance, see rejection.py
 
 
 def build_generate(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpec) -> Callable:
-    """A pure function (target_state, draft_state, prompt_tokens [B,P], prompt_lengths [B], rows, cache_len)
-    -> final LoopState. `cache_len` is static: the wave's KV/token buffer length."""
+    """A pure function (target_state, draft_state, prompt_tokens [B,P], prompt_lengths [B], rows, cache_len,
+    synthetic_rates=None) -> final LoopState. `cache_len` is static: the wave's KV/token buffer length.
+    `synthetic_rates` (f32 [k], benchmarks only) replaces verification by acceptance at those conditional
+    rates; it is an argument rather than part of the spec so that sweeping rates does not recompile."""
 
-    def generate(target_state, draft_state, prompt_tokens, prompt_lengths, rows: RowParams, cache_len: int):
+    def generate(target_state, draft_state, prompt_tokens, prompt_lengths, rows: RowParams, cache_len: int,
+                 synthetic_rates: jax.Array | None = None):
         target = nnx.merge(target_graph, target_state)
         state = _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec)
-        step = _step_fn(target, proposer, draft_state, rows, spec)
+        step = _step_fn(target, proposer, draft_state, rows, spec, synthetic_rates)
         return jax.lax.while_loop(lambda s: jnp.any(~s.done), step, state)
 
     return generate
@@ -63,7 +65,7 @@ def _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows,
     return _commit(state, first[:, None], jnp.ones((B,), jnp.int32), raw_logits, rows, spec)
 
 
-def _step_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec):
+def _step_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, synthetic_rates):
     k = spec.k
 
     def step(state: LoopState) -> LoopState:
@@ -77,7 +79,7 @@ def _step_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec):
         hidden, cache, _ = target(verify_tokens, state.lengths - 1, state.cache)
         raw_logits = target.logits(hidden)  # [B, k+1, V]
         logits = _mask_stop_ids(raw_logits, rows, generated=state.lengths - state.prompt_lengths)
-        out, accepted = _verify(logits, drafts, draft_probs, rows, state.lengths, spec)
+        out, accepted = _verify(logits, drafts, draft_probs, rows, state.lengths, spec, synthetic_rates)
         active = ~state.done
         state = dataclasses.replace(state, cache=cache, proposer=proposer_state,
                                     counters=_count(state.counters, drafts, accepted, active),
@@ -87,15 +89,14 @@ def _step_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec):
     return step
 
 
-def _verify(logits, drafts, draft_probs, rows: RowParams, position, spec: LoopSpec):
+def _verify(logits, drafts, draft_probs, rows: RowParams, position, spec: LoopSpec, synthetic_rates):
     """Output tokens [B, k+1] and accepted counts; with k = 0 this is plain sampling."""
     if spec.k == 0:
         token = sampling.sample(logits[:, 0], rows.temperature, rows.top_k, rows.top_p, rows.min_p,
                                 rows.seed, position)
         return token[:, None], jnp.zeros_like(position)
-    rates = None if spec.synthetic_rates is None else jnp.asarray(spec.synthetic_rates, jnp.float32)
     return rejection_sample(logits, drafts, draft_probs, rows.temperature, rows.top_k, rows.top_p,
-                            rows.min_p, rows.seed, position, synthetic_rates=rates)
+                            rows.min_p, rows.seed, position, synthetic_rates=synthetic_rates)
 
 
 def _budget(state: LoopState, rows: RowParams, spec: LoopSpec) -> jax.Array:

@@ -50,7 +50,7 @@ class WaveRunner:
         self.proposer, self.draft_state = proposer, draft_state
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.eos_token_ids, self.vocab_size, self.seed = tuple(eos_token_ids), vocab_size, seed
-        self.synthetic_rates = synthetic_rates
+        self.synthetic_rates = None if synthetic_rates is None else jnp.asarray(synthetic_rates, jnp.float32)
         self._compiled: dict[int, Any] = {}
 
     def waves(self, requests: Sequence[Request]) -> Iterator[list[Request]]:
@@ -60,14 +60,14 @@ class WaveRunner:
     def run_wave(self, wave: Sequence[Request]) -> list[RowResult]:
         n_top = max((_num_top(r.params, self.vocab_size) for r in wave), default=0)
         prompts, lengths, rows, cache_len = self._pack(wave)
-        state = self._generate_fn(n_top)(self.target_state, self.draft_state, prompts, lengths, rows, cache_len)
+        state = self._generate_fn(n_top)(self.target_state, self.draft_state, prompts, lengths, rows, cache_len,
+                                         self.synthetic_rates)
         return _unpack(jax.device_get(state), len(wave))
 
     def _generate_fn(self, n_top: int):
         """One jitted function per n_top; jit itself caches one executable per shape bucket."""
         if n_top not in self._compiled:
-            spec = LoopSpec(k=self.proposer.k, n_top=n_top, max_model_len=self.max_model_len,
-                            synthetic_rates=self.synthetic_rates)
+            spec = LoopSpec(k=self.proposer.k, n_top=n_top, max_model_len=self.max_model_len)
             self._compiled[n_top] = jax.jit(build_generate(self.target_graph, self.proposer, spec),
                                             static_argnums=(5,))
         return self._compiled[n_top]

@@ -1,0 +1,174 @@
+"""Decode/verify step time against the bandwidth roofline, and end-to-end generation with and without
+speculation (synthetic acceptance), for a Llama-3.1-8B-shaped model with random bf16 weights.
+
+    PYTHONPATH=. python benchmarks/bench_engine.py [--suites step,e2e,spec] [--impl auto|reference]
+
+Writes $OUT/bench_engine_<suite>.json and prints a table per suite.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks.common import (LLAMA31_8B, LLAMA32_1B, copy_bandwidth, kv_bytes_per_token, matmul_flops,
+                               median_time, print_table, weight_bytes, write_json)
+from specjax.engine.loop import LoopSpec, build_generate
+from specjax.engine.proposers.base import NoProposer
+from specjax.engine.proposers.draft_model import DraftModelProposer
+from specjax.engine.state import RowParams
+from specjax.models.kv_cache import init_cache
+from specjax.models.registry import random_model
+
+
+def model_state(cfg, impl, seed=0):
+    return nnx.split(random_model(cfg, dtype=jnp.bfloat16, seed=seed, attention_impl=impl))
+
+
+def step_fn(graph):
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(state, cache, tokens, start):
+        model = nnx.merge(graph, state)
+        hidden, cache, _ = model(tokens, start, cache)
+        return model.logits(hidden), cache
+    return step
+
+
+def step_suite(cfg, graph, state, bandwidth, context=1024):
+    rows = []
+    step = step_fn(graph)
+    for B in (1, 8):
+        for T in (1, 4, 8):
+            cache = init_cache(cfg, B, context + 16, jnp.bfloat16)
+            tokens = jnp.ones((B, T), jnp.int32)
+            start = jnp.full((B,), context, jnp.int32)
+            holder = [cache]
+
+            def run():
+                logits, holder[0] = step(state, holder[0], tokens, start)
+                return logits
+            t = median_time(run, repeats=20)
+            floor = (weight_bytes(cfg) + B * (context + T) * kv_bytes_per_token(cfg)) / bandwidth
+            rows.append(dict(batch=B, T=T, context=context, ms=1e3 * t, floor_ms=1e3 * floor,
+                             roofline_frac=floor / t))
+    return rows
+
+
+def rows_params(B, max_tokens, seed=0):
+    return RowParams(temperature=jnp.zeros((B,), jnp.float32), top_k=jnp.zeros((B,), jnp.int32),
+                     top_p=jnp.ones((B,), jnp.float32), min_p=jnp.zeros((B,), jnp.float32),
+                     seed=jnp.arange(B, dtype=jnp.uint32) + seed, max_tokens=jnp.full((B,), max_tokens, jnp.int32),
+                     min_tokens=jnp.zeros((B,), jnp.int32), stop_ids=jnp.full((B, 1), -1, jnp.int32))
+
+
+def run_generate(graph, state, proposer, draft_state, B, prompt_len, new_tokens, rates=None):
+    """(compile+first-call seconds, steady seconds, steps) for one wave of B prompts."""
+    gen = jax.jit(build_generate(graph, proposer, LoopSpec(k=proposer.k, n_top=0, max_model_len=8192)),
+                  static_argnums=5)
+    prompts = jax.random.randint(jax.random.key(1), (B, prompt_len), 0, 500, jnp.int32)
+    lengths = jnp.full((B,), prompt_len, jnp.int32)
+    rows = rows_params(B, new_tokens)
+    cache_len = prompt_len + new_tokens + proposer.k + 1
+    rates = None if rates is None else jnp.asarray(rates, jnp.float32)
+    start = time.perf_counter()
+    out = jax.block_until_ready(gen(state, draft_state, prompts, lengths, rows, cache_len, rates))
+    first = time.perf_counter() - start
+    steady = median_time(lambda: gen(state, draft_state, prompts, lengths, rows, cache_len, rates),
+                         repeats=3, warmup=0)
+    assert int(np.min(out.lengths - lengths)) == new_tokens
+    return first, steady, int(out.steps)
+
+
+def e2e_suite(graph, state, new_tokens=256, prompt_len=128):
+    rows = []
+    for B in (1, 8, 32):
+        first, steady, steps = run_generate(graph, state, NoProposer(), None, B, prompt_len, new_tokens)
+        ttft = run_generate(graph, state, NoProposer(), None, B, prompt_len, 1)[1]
+        rows.append(dict(batch=B, new_tokens=new_tokens, tok_s=B * new_tokens / steady,
+                         ms_per_step=1e3 * (steady - ttft) / max(steps, 1), ttft_ms=1e3 * ttft,
+                         compile_s=first - steady))
+    return rows
+
+
+def conditional_rates(al, k):
+    """vLLM's synthetic_acceptance_length -> conditional per-position rates (see SpeculativeConfig)."""
+    from specjax.config import SpeculativeConfig
+    spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": k,
+                                        "rejection_sample_method": "synthetic",
+                                        "synthetic_acceptance_length": al},
+                                       target_max_model_len=8192, target_tensor_parallel_size=1)
+    return spec.synthetic_rates()
+
+
+def spec_suite(cfg, dcfg, graph, state, dgraph, dstate, new_tokens=256, prompt_len=128):
+    rows = []
+    tstep, dstep = step_fn(graph), step_fn(dgraph)
+    for B in (1, 8):
+        plain = run_generate(graph, state, NoProposer(), None, B, prompt_len, new_tokens)[1]
+        for k in (3, 5):
+            t_verify = _step_time(tstep, cfg, state, B, k + 1, prompt_len + new_tokens // 2)
+            t_draft = _step_time(dstep, dcfg, dstate, B, 1, prompt_len + new_tokens // 2)
+            proposer = DraftModelProposer(dgraph, k, probabilistic=False)
+            for al in (1.5, 2.5, 3.5):
+                _, t, steps = run_generate(graph, state, proposer, dstate, B, prompt_len, new_tokens,
+                                           conditional_rates(al, k))
+                measured_al = (new_tokens - 1) / max(steps, 1)
+                ideal = B * measured_al / (t_verify + k * t_draft)
+                rows.append(dict(batch=B, k=k, al=al, measured_al=measured_al, tok_s=B * new_tokens / t,
+                                 plain_tok_s=B * new_tokens / plain, speedup=plain / t, ideal_tok_s=ideal,
+                                 frac_of_ideal=(B * new_tokens / t) / ideal,
+                                 verify_ms=1e3 * t_verify, draft_ms=1e3 * t_draft))
+    return rows
+
+
+def _step_time(step, cfg, state, B, T, context):
+    holder = [init_cache(cfg, B, context + 16, jnp.bfloat16)]
+    tokens, start = jnp.ones((B, T), jnp.int32), jnp.full((B,), context, jnp.int32)
+
+    def run():
+        logits, holder[0] = step(state, holder[0], tokens, start)
+        return logits
+    return median_time(run, repeats=10)
+
+
+def smoke_configs():
+    import dataclasses
+    small = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=16)
+    return dataclasses.replace(LLAMA31_8B, **small), dataclasses.replace(LLAMA32_1B, **{**small, "num_layers": 1})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--suites", default="step,e2e,spec")
+    parser.add_argument("--impl", default="auto")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on CPU")
+    args = parser.parse_args()
+    target_cfg, draft_cfg = (smoke_configs() if args.smoke else (LLAMA31_8B, LLAMA32_1B))
+    suites = args.suites.split(",")
+    bandwidth, flops = (copy_bandwidth(1 << 26), matmul_flops(512)) if args.smoke else (copy_bandwidth(), matmul_flops())
+    print(f"device {jax.devices()[0]}: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    graph, state = model_state(target_cfg, args.impl)
+    results = {}
+    if "step" in suites:
+        results["step"] = step_suite(target_cfg, graph, state, bandwidth)
+    if "e2e" in suites:
+        results["e2e"] = e2e_suite(graph, state)
+    if "spec" in suites:
+        dgraph, dstate = model_state(draft_cfg, args.impl, seed=1)
+        results["spec"] = spec_suite(target_cfg, draft_cfg, graph, state, dgraph, dstate)
+    for name, rows in results.items():
+        for r in rows:
+            r.update(impl=args.impl, copy_TBps=bandwidth / 1e12)
+        print(f"\n== {name} ({args.impl})")
+        print_table(rows)
+        write_json(f"bench_engine_{name}_{args.impl}", rows)
+
+
+if __name__ == "__main__":
+    main()

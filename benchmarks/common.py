@@ -1,0 +1,92 @@
+"""Shared benchmark helpers: timing, device ceilings, the standard speed subjects, result output."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models.model_config import ModelConfig
+
+LLAMA31_8B = ModelConfig(
+    architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+    num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+    tie_word_embeddings=False, attention_bias=False, qk_norm=False, max_position_embeddings=131072,
+    bos_token_id=128000, eos_token_ids=(128001,), torch_dtype="bfloat16")
+# A Llama-3.2-1B-shaped draft for the 8B target (same vocabulary).
+LLAMA32_1B = ModelConfig(
+    architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+    num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+    rope_scaling=LLAMA31_8B.rope_scaling, tie_word_embeddings=True, attention_bias=False, qk_norm=False,
+    max_position_embeddings=131072, bos_token_id=128000, eos_token_ids=(128001,), torch_dtype="bfloat16")
+
+
+def median_time(fn: Callable[[], object], repeats: int = 10, warmup: int = 2) -> float:
+    """Median seconds of fn() (its result blocked on), after warm-up."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
+    """Device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    x = jnp.ones((num_bytes // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0001)
+    return 2 * x.nbytes / median_time(lambda: copy(x))
+
+
+def matmul_flops(n: int = 8192) -> float:
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda x, y: x @ y)
+    return 2 * n ** 3 / median_time(lambda: mm(a, b))
+
+
+def weight_bytes(cfg: ModelConfig, itemsize: int = 2) -> int:
+    H, I, L, D = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.head_dim
+    attn = H * D * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    per_layer = attn + 3 * H * I + 2 * H
+    # The lm_head (or the tied embedding) is streamed whole each step; embedding lookups read a few rows.
+    return itemsize * (L * per_layer + H * cfg.vocab_size + H)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, itemsize: int = 2) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def device_name() -> str:
+    d = jax.devices()[0]
+    return f"{d.platform}:{getattr(d, 'device_kind', '')}"
+
+
+def write_json(name: str, rows: list[dict]) -> Path:
+    out = Path(os.environ.get("OUT", ".")) / f"{name}.json"
+    out.write_text(json.dumps({"device": device_name(), "jax": jax.__version__,
+                               "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))
+    return out
+
+
+def print_table(rows: list[dict]) -> None:
+    if not rows:
+        return
+    keys = list(rows[0])
+    widths = [max(len(k), *(len(_fmt(r.get(k))) for r in rows)) for k in keys]
+    print("  ".join(k.ljust(w) for k, w in zip(keys, widths)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(k)).ljust(w) for k, w in zip(keys, widths)))
+
+
+def _fmt(v) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
