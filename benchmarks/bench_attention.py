@@ -9,9 +9,11 @@ Run in one device call:  PYTHONPATH=. python benchmarks/bench_attention.py [--sw
    not served from L2 (back-to-back calls and a jitted lax.scan over layers, see time_case) for the
    Llama-3.1-8B attention shape (Hq=32, Hkv=8, D=128, bf16), T in 1/4/8/16, context
    1024/4096/16384, batch 1 and 8. Bandwidth = K+V bytes of the visible context / time.
-`--sweep` also times launch-parameter variants on the key shapes (SWEEP_SHAPES); `--ncu`
-launches a few variants once each, for Nsight Compute. Prints a table; writes
-JSON to $OUT (or ./) as bench_attention.json.
+`--sweep` then times launch-parameter variants on the key shapes (SWEEP_SHAPES). Prints a table;
+writes JSON to $OUT (or ./) as bench_attention.json, updated after each shape.
+`--ncu` only launches a few variants once each, for Nsight Compute. Run it with
+XLA_PYTHON_CLIENT_PREALLOCATE=false and a --kernel-name filter: with JAX's default
+preallocation ncu saves and restores ~100 GB per replay pass (one attempt timed out).
 """
 
 from __future__ import annotations
@@ -130,7 +132,6 @@ def check_correctness() -> list[dict]:
         (5, 3, 16, 16, 777, 64, jnp.float32),
         (2, 9, 28, 4, 1500, 128, jnp.float32),
         (1, 600, 32, 8, 1024, 128, jnp.bfloat16),   # prefill: row tiles
-        (8, 4, 32, 8, 4096, 128, jnp.bfloat16),
     ]
     results = []
     key = jax.random.key(1)
@@ -144,8 +145,12 @@ def check_correctness() -> list[dict]:
         k = jnp.where(written, jax.random.normal(k_key, shape, dtype), jnp.nan)
         v = jnp.where(written, jax.random.normal(v_key, shape, dtype), jnp.nan)
         scale = head_dim ** -0.5
-        out = jax.jit(lambda q, k, v, s: attention(q, k, v, jnp.int32(1), s, scale=scale,
-                                                   impl="triton"))(q, k, v, starts)
+        try:
+            out = jax.jit(lambda q, k, v, s: attention(q, k, v, jnp.int32(1), s, scale=scale,
+                                                       impl="triton"))(q, k, v, starts)
+        except Exception as error:  # record and go on: the other cases still tell something
+            log(f"check failed to run: {str(error)[:300]}")
+            out = jnp.full(q.shape, jnp.nan, q.dtype)
         with jax.default_matmul_precision("highest"):
             expected = jax.jit(lambda q, k, v, s: attention_reference(
                 q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
@@ -238,24 +243,20 @@ def time_case(batch, tokens, context, configs) -> dict:
     return row
 
 
-SWEEP_SHAPES = ((8, 1, 16384), (8, 1, 4096), (8, 16, 4096), (1, 1, 16384))
+SWEEP_SHAPES = ((8, 1, 4096), (8, 16, 4096), (8, 1, 16384), (1, 1, 16384))
 
 
 def sweep_configs(batch, tokens, context) -> list[KernelConfig]:
-    """Default first, then block_k x stages x splits (x warps for many rows) around it."""
+    """Variants of block_k x pipeline stages (x warps for many rows) at the default splits,
+    then the default again: the spread between its two timings is the noise."""
     base = default_config((batch, tokens, HEADS, HEAD_DIM), (1, batch, KV_HEADS, context, HEAD_DIM))
-    splits = (base.num_splits, 2 * base.num_splits)
     many_rows = base.rows_per_tile >= 64
-    warps = (4, 8) if many_rows else (base.num_warps,)
-    variants = [base]
-    for block_k in (64, 128):
-        for stages in (2, 3) if many_rows else (2, 3, 4):
-            for split in splits:
-                for warp in warps:
-                    variants.append(dataclasses.replace(base, block_k=block_k, num_stages=stages,
-                                                        num_splits=split, num_warps=warp))
-    # The default again, last: the spread between the two is the timing noise.
-    return list(dict.fromkeys(variants)) + [base]
+    variants = [dataclasses.replace(base, block_k=block_k, num_stages=stages, num_warps=warps)
+                for block_k in (64, 128)
+                for stages in ((2, 3) if many_rows else (2, 3, 4))
+                for warps in ((4, 8) if many_rows else (base.num_warps,))]
+    variants.append(dataclasses.replace(base, num_splits=2 * base.num_splits))
+    return [config for config in dict.fromkeys(variants) if config != base] + [base]
 
 
 def jax_flash_decoding(batch, context) -> dict:
@@ -347,21 +348,17 @@ def run_once_for_ncu() -> int:
 
 
 def print_table(rows, ceiling) -> None:
-    log(f"\nceiling (device copy, read+write): {ceiling:.0f} GB/s; kernel = default config")
+    log(f"\nceiling (device copy, read+write): {ceiling:.0f} GB/s")
     log(f"{'B':>2} {'T':>3} {'ctx':>6} | {'kernel us':>9} {'GB/s':>6} {'%copy':>6} | "
-        f"{'in scan':>7} | {'ref us':>8} {'GB/s':>6} | {'speedup':>7} | {'best swept':>10}")
+        f"{'in scan':>7} | {'ref us':>8} {'GB/s':>6} | {'speedup':>7} | config")
     for row in rows:
-        default = row["kernel"][0]
-        best = min(row["kernel"], key=lambda r: r["us"])
-        ref = row["reference"]
-        cfg = best["config"]
-        swept = (f"{best['gbs']:6.0f} GB/s bk={cfg['block_k']} stages={cfg['num_stages']} "
-                 f"splits={cfg['num_splits']} warps={cfg['num_warps']}"
-                 if len(row["kernel"]) > 1 else "")
-        log(f"{row['batch']:>2} {row['tokens']:>3} {row['context']:>6} | {default['us']:9.1f} "
-            f"{default['gbs']:6.0f} {100 * default['gbs'] / ceiling:5.1f}% | "
-            f"{default.get('scan_us', float('nan')):7.1f} | {ref['us']:8.1f} {ref['gbs']:6.0f} | "
-            f"{ref['us'] / default['us']:6.1f}x | {swept}")
+        kernel, ref = row["kernel"][0], row["reference"]
+        cfg = kernel["config"]
+        log(f"{row['batch']:>2} {row['tokens']:>3} {row['context']:>6} | {kernel['us']:9.1f} "
+            f"{kernel['gbs']:6.0f} {100 * kernel['gbs'] / ceiling:5.1f}% | "
+            f"{kernel.get('scan_us', float('nan')):7.1f} | {ref['us']:8.1f} {ref['gbs']:6.0f} | "
+            f"{ref['us'] / kernel['us']:6.1f}x | bk={cfg['block_k']} stages={cfg['num_stages']} "
+            f"splits={cfg['num_splits']} warps={cfg['num_warps']} rows={cfg['rows_per_tile']}")
 
 
 def main() -> int:
@@ -392,30 +389,39 @@ def main() -> int:
             results["jax_flash_decoding"] = repr(error)
         log("jax flash decoding (T=1):", results["jax_flash_decoding"])
     shapes = [(b, t, c) for b in BATCHES for c in CONTEXTS for t in TOKENS]
-    rows = []
+    results["timings"] = []
     for batch, tokens, context in shapes:
-        configs = (sweep_configs(batch, tokens, context)
-                   if args.sweep and (batch, tokens, context) in SWEEP_SHAPES
-                   else [default_config((batch, tokens, HEADS, HEAD_DIM),
-                                        (1, batch, KV_HEADS, context, HEAD_DIM))])
-        rows.append(time_case(batch, tokens, context, configs))
-        best = min(rows[-1]["kernel"], key=lambda r: r["us"])
-        log(f"B={batch} T={tokens} ctx={context}: default {rows[-1]['kernel'][0]['gbs']:.0f} "
-            f"GB/s, best {best['gbs']:.0f} GB/s {best['config']}, "
-            f"reference {rows[-1]['reference']['gbs']:.0f} GB/s")
-        ranked = sorted(rows[-1]["kernel"], key=lambda r: r["us"]) if len(configs) > 1 else []
-        for entry in ranked[:8]:
-            c = entry["config"]
-            log(f"    bk={c['block_k']:3d} stages={c['num_stages']} splits={c['num_splits']:2d} "
-                f"warps={c['num_warps']} rows={c['rows_per_tile']:3d}: {entry['us']:7.1f} us "
-                f"{entry['gbs']:6.0f} GB/s")
-    results["timings"] = rows
-    out_dir = os.environ.get("OUT", ".")
-    with open(os.path.join(out_dir, "bench_attention.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    print_table(rows, ceiling)
+        config = default_config((batch, tokens, HEADS, HEAD_DIM), (1, batch, KV_HEADS, context, HEAD_DIM))
+        row = time_case(batch, tokens, context, [config])
+        if row["kernel"]:
+            results["timings"].append(row)
+            log(f"B={batch} T={tokens} ctx={context}: kernel {row['kernel'][0]['gbs']:.0f} GB/s, "
+                f"reference {row['reference']['gbs']:.0f} GB/s")
+        save(results)
+    print_table(results["timings"], ceiling)
+    if args.sweep:
+        results["sweep"] = [sweep_case(*shape) for shape in SWEEP_SHAPES]
+        save(results)
     return 0 if all(c["ok"] for c in results["correctness"]) else 1
 
+
+def sweep_case(batch, tokens, context) -> dict:
+    """Time the sweep variants at one shape (after the table, so a variant that breaks
+    the process cannot cost the table) and log them fastest first."""
+    row = time_case(batch, tokens, context, sweep_configs(batch, tokens, context))
+    log(f"sweep B={batch} T={tokens} ctx={context} (reference {row['reference']['gbs']:.0f} GB/s):")
+    for entry in sorted(row["kernel"], key=lambda r: r["us"]):
+        c = entry["config"]
+        log(f"    bk={c['block_k']:3d} stages={c['num_stages']} splits={c['num_splits']:2d} "
+            f"warps={c['num_warps']} rows={c['rows_per_tile']:3d}: {entry['us']:7.1f} us "
+            f"{entry['gbs']:6.0f} GB/s")
+    return row
+
+
+def save(results: dict) -> None:
+    """Write the results so far (a later crash keeps them)."""
+    with open(os.path.join(os.environ.get("OUT", "."), "bench_attention.json"), "w") as f:
+        json.dump(results, f, indent=1)
 
 if __name__ == "__main__":
     sys.exit(main())

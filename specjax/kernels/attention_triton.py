@@ -45,7 +45,7 @@ class KernelConfig:
     rows_per_tile: int = 16     # query rows (tokens x grouped heads) per program
     num_splits: int = 1         # programs sharing one (b, kv head, tile) along the KV axis
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
 
 
 def _next_power_of_two(n: int) -> int:
@@ -82,9 +82,9 @@ def default_config(q_shape: tuple[int, ...], cache_shape: tuple[int, ...],
     # with at least four blocks per split of a full cache.
     wanted = _previous_power_of_two(-(-2 * sm_count // programs))
     num_splits = min(wanted, _previous_power_of_two(num_slots // (4 * block_k)), 64)
-    num_warps = 8 if rows_per_tile >= 64 else 4
+    num_warps = 8 if rows_per_tile >= _MAX_ROWS_PER_TILE else 4
     return KernelConfig(block_k=block_k, rows_per_tile=rows_per_tile, num_splits=num_splits,
-                        num_warps=num_warps, num_stages=3)
+                        num_warps=num_warps, num_stages=2)
 
 
 def attention_triton(
