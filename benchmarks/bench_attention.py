@@ -365,6 +365,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time launch-parameter variants")
     parser.add_argument("--skip-jax", action="store_true", help="skip JAX's flash decoding")
+    parser.add_argument("--quick", action="store_true",
+                        help="table of the key shapes (SWEEP_SHAPES) only, when device time is short")
     parser.add_argument("--ncu", action="store_true",
                         help="run a few configs once each, for Nsight Compute; no timing")
     args = parser.parse_args()
@@ -388,7 +390,8 @@ def main() -> int:
         except Exception as error:  # an internal JAX API: report, keep benchmarking
             results["jax_flash_decoding"] = repr(error)
         log("jax flash decoding (T=1):", results["jax_flash_decoding"])
-    shapes = [(b, t, c) for b in BATCHES for c in CONTEXTS for t in TOKENS]
+    shapes = (SWEEP_SHAPES if args.quick
+              else [(b, t, c) for b in BATCHES for c in CONTEXTS for t in TOKENS])
     results["timings"] = []
     for batch, tokens, context in shapes:
         config = default_config((batch, tokens, HEADS, HEAD_DIM), (1, batch, KV_HEADS, context, HEAD_DIM))
