@@ -53,9 +53,14 @@ class ForwardAux:
 
 
 class LlamaForCausalLM(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, attention_impl: str = "auto"):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, attention_impl: str = "auto",
+                 unroll_layers: bool | None = None):
         self.cfg = cfg
         self.attention_impl = attention_impl
+        # Scanning stacked layers keeps compile time flat in depth, but on GPU XLA copies each layer's weight
+        # slice before its matmuls (3x the bytes: 13.0 ms vs 6.25 ms unrolled for an 8B decode step on an
+        # H200), so the default unrolls there and scans elsewhere.
+        self.unroll_layers = jax.default_backend() == "gpu" if unroll_layers is None else unroll_layers
         self.embed = _init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
         self.layers = DecoderLayers(cfg, dtype, rngs)
         self.final_norm = _ones((cfg.hidden_size,), dtype)
@@ -75,7 +80,8 @@ class LlamaForCausalLM(nnx.Module):
         layer_fn = self._layer_fn(positions, start)
         (h, k, v), entering = jax.lax.scan(
             layer_fn, (h, cache.k, cache.v),
-            (self.layers.stacked(), jnp.arange(self.cfg.num_layers, dtype=jnp.int32)))
+            (self.layers.stacked(), jnp.arange(self.cfg.num_layers, dtype=jnp.int32)),
+            unroll=self.unroll_layers)
         captured = None
         if capture_layers:
             captured = jnp.concatenate([entering[i] for i in capture_layers], axis=-1)
