@@ -84,9 +84,9 @@ def run_generate(graph, state, proposer, draft_state, B, prompt_len, new_tokens,
     return first, steady, int(out.steps)
 
 
-def e2e_suite(graph, state, new_tokens=256, prompt_len=128):
+def e2e_suite(graph, state, batches=(1, 8, 32), new_tokens=256, prompt_len=128):
     rows = []
-    for B in (1, 8, 32):
+    for B in batches:
         first, steady, steps = run_generate(graph, state, NoProposer(), None, B, prompt_len, new_tokens)
         ttft = run_generate(graph, state, NoProposer(), None, B, prompt_len, 1)[1]
         rows.append(dict(batch=B, new_tokens=new_tokens, tok_s=B * new_tokens / steady,
@@ -105,12 +105,13 @@ def conditional_rates(al, k):
     return spec.synthetic_rates()
 
 
-def spec_suite(cfg, dcfg, graph, state, dgraph, dstate, new_tokens=256, prompt_len=128):
+def spec_suite(cfg, dcfg, graph, state, dgraph, dstate, batches=(1, 8), ks=(3, 5), new_tokens=256,
+               prompt_len=128):
     rows = []
     tstep, dstep = step_fn(graph), step_fn(dgraph)
-    for B in (1, 8):
+    for B in batches:
         plain = run_generate(graph, state, NoProposer(), None, B, prompt_len, new_tokens)[1]
-        for k in (3, 5):
+        for k in ks:
             t_verify = _step_time(tstep, cfg, state, B, k + 1, prompt_len + new_tokens // 2)
             t_draft = _step_time(dstep, dcfg, dstate, B, 1, prompt_len + new_tokens // 2)
             proposer = DraftModelProposer(dgraph, k, probabilistic=False)
@@ -147,10 +148,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--suites", default="step,e2e,spec")
     parser.add_argument("--impl", default="auto")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--ks", default="3,5")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on CPU")
     args = parser.parse_args()
     target_cfg, draft_cfg = (smoke_configs() if args.smoke else (LLAMA31_8B, LLAMA32_1B))
     suites = args.suites.split(",")
+    batches = tuple(int(b) for b in args.batches.split(","))
+    ks = tuple(int(k) for k in args.ks.split(","))
     bandwidth, flops = (copy_bandwidth(1 << 26), matmul_flops(512)) if args.smoke else (copy_bandwidth(), matmul_flops())
     print(f"device {jax.devices()[0]}: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
     graph, state = model_state(target_cfg, args.impl)
@@ -158,14 +163,15 @@ def main() -> None:
     if "step" in suites:
         results["step"] = step_suite(target_cfg, graph, state, bandwidth)
     if "e2e" in suites:
-        results["e2e"] = e2e_suite(graph, state)
+        results["e2e"] = e2e_suite(graph, state, batches)
     if "spec" in suites:
         dgraph, dstate = model_state(draft_cfg, args.impl, seed=1)
-        results["spec"] = spec_suite(target_cfg, draft_cfg, graph, state, dgraph, dstate)
+        results["spec"] = spec_suite(target_cfg, draft_cfg, graph, state, dgraph, dstate,
+                                     tuple(b for b in batches if b <= 8), ks)
     for name, rows in results.items():
         for r in rows:
             r.update(impl=args.impl, copy_TBps=bandwidth / 1e12)
-        print(f"\n== {name} ({args.impl})")
+        print(f"\n== {name} ({args.impl})", flush=True)
         print_table(rows)
         write_json(f"bench_engine_{name}_{args.impl}", rows)
 

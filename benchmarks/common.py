@@ -72,7 +72,9 @@ def device_name() -> str:
 
 
 def write_json(name: str, rows: list[dict]) -> Path:
-    out = Path(os.environ.get("OUT", ".")) / f"{name}.json"
+    folder = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{name}.json"
     out.write_text(json.dumps({"device": device_name(), "jax": jax.__version__,
                                "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))
     return out
