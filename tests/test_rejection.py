@@ -8,28 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.scipy.special import gammaincc
+from chi_square import chi_square_p_value
 
 from specjax.engine.rejection import rejection_sample
 from specjax.engine.sampling import processed_probs, sample
 
 PAD = -1
-
-
-def chi_square_p_value(tokens: np.ndarray, probs: np.ndarray) -> float:
-    """Goodness of fit of drawn tokens to probs (0 if an impossible token was drawn);
-    bins expecting < 5 draws are pooled."""
-    counts = np.bincount(tokens, minlength=probs.size).astype(np.float64)
-    if np.any(counts[probs == 0] > 0):
-        return 0.0
-    expected = probs.astype(np.float64) * tokens.size
-    small = expected < 5
-    counts = np.append(counts[~small], counts[small].sum())
-    expected = np.append(expected[~small], expected[small].sum())
-    keep = expected > 0
-    stat = np.sum((counts[keep] - expected[keep]) ** 2 / expected[keep])
-    dof = keep.sum() - 1
-    return float(gammaincc(dof / 2.0, stat / 2.0))
 
 
 def _rows(batch: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> dict:
