@@ -193,13 +193,14 @@ def rotation_layers(batch: int, context: int) -> int:
     return int(min(64, max(2, math.ceil(ROTATION_BYTES / layer_bytes))))
 
 
-def time_case(batch, tokens, context, configs) -> dict:
+def time_case(batch, tokens, context, configs, with_scan: bool = True) -> dict:
     """Per-layer times of the kernel (each config) and the reference at one shape.
 
     Two ways, both rotating through `layers` cache slabs: back-to-back jitted calls (one per
     layer; dispatch is asynchronous, so it hides behind kernels longer than a few us) and one
     jitted lax.scan over the layers (the model's form; its while loop has a per-iteration
-    cost). Each is an upper bound on the device time; `us` is the smaller.
+    cost). Each is an upper bound on the device time; `us` is the smaller. Sweeps pass
+    with_scan=False so that every variant is ranked by the same (back-to-back) method.
     """
     dtype = jnp.bfloat16
     layers = rotation_layers(batch, context)
@@ -233,7 +234,7 @@ def time_case(batch, tokens, context, configs) -> dict:
     for index, config in enumerate(configs):
         try:
             timing = measure(lambda q, k, v, l, s, c=config: attention_triton(
-                q, k, v, l, s, scale=scale, config=c), scan_too=index == 0)
+                q, k, v, l, s, scale=scale, config=c), scan_too=with_scan and index == 0)
         except Exception as error:  # e.g. a variant needing more shared memory than the SM has
             log(f"  {config}: failed: {str(error)[:200]}")
             continue
@@ -313,6 +314,9 @@ def compiled_program_report(batch=8, tokens=4, context=4096) -> dict:
             out_dir = os.environ.get("OUT", ".")
             with open(os.path.join(out_dir, "bench_attention_hlo.txt"), "w") as f:
                 f.write(text)
+    # A per-layer copy would need temp space of about one layer's K and V; the string
+    # check above misses copies XLA gives another shape, the temp size does not.
+    report["layer_kv_bytes"] = 2 * k.nbytes // k.shape[0]
     log("compiled program:", report)
     return report
 
@@ -411,7 +415,7 @@ def main() -> int:
 def sweep_case(batch, tokens, context) -> dict:
     """Time the sweep variants at one shape (after the table, so a variant that breaks
     the process cannot cost the table) and log them fastest first."""
-    row = time_case(batch, tokens, context, sweep_configs(batch, tokens, context))
+    row = time_case(batch, tokens, context, sweep_configs(batch, tokens, context), with_scan=False)
     log(f"sweep B={batch} T={tokens} ctx={context} (reference {row['reference']['gbs']:.0f} GB/s):")
     for entry in sorted(row["kernel"], key=lambda r: r["us"]):
         c = entry["config"]
