@@ -22,7 +22,11 @@ PROMPTS = [
     "List three colors:",
 ]
 CHATS = [[{"role": "user", "content": "What is 2 + 3?"}],
-         [{"role": "user", "content": "Name a famous painter and one of their paintings."}]]
+         [{"role": "user", "content": "Name a famous painter and one of their paintings."}],
+         [{"role": "user", "content": "Hi"}],
+         [{"role": "system", "content": "You are a terse assistant."},
+          {"role": "user", "content": "Explain in two sentences why the sky is blue, mentioning Rayleigh scattering."}],
+         [{"role": "user", "content": "Write a Python function that reverses a string."}]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 
 
@@ -53,14 +57,16 @@ def test_greedy_generate_equals_transformers(llm, hf_model):
             or completion.finish_reason == "stop"
 
 
-def test_chat_equals_transformers_with_the_same_template(llm, hf_model):
+def test_chat_batch_equals_transformers_with_the_same_template(llm, hf_model):
+    """Five chat prompts of different lengths in one batch, 64 greedy tokens each, with the KV cache."""
     tok = llm.get_tokenizer()
-    outputs = llm.chat(CHATS, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)
+    outputs = llm.chat(CHATS, SamplingParams(temperature=0.0, max_tokens=64), use_tqdm=False)
+    assert len({len(o.prompt_token_ids) for o in outputs}) >= 4  # rows of different lengths share the batch
     for conv, out in zip(CHATS, outputs):
         ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         assert out.prompt_token_ids == list(ids)
-        expected = _hf_greedy(hf_model, list(ids), 40)
+        expected = _hf_greedy(hf_model, list(ids), 64)
         assert out.outputs[0].token_ids == expected
         if expected[-1] == 2:
             assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason is None
