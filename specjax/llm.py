@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from checkpoints_conv import load_checkpoint
 from checkpoints_conv.safetensors_loader import resolve_dtype
 from specjax import config as config_lib
+from specjax import parallel
 from specjax.engine.proposers.build import build_proposer
 from specjax.engine.runner import Request, RowResult, WaveRunner
 from specjax.engine.stop_strings import apply_stop_strings, token_finish_reason
@@ -52,17 +53,19 @@ class LLM:
             speculative_config, target_max_model_len=self.max_model_len,
             target_tensor_parallel_size=tensor_parallel_size)
         self.dtype = jnp.dtype(resolve_dtype(self.config.dtype, self.model_config))
-        params = load_checkpoint(path, self.model_config, self.dtype)
+        self.mesh, shardings = parallel.plan(self.model_config, tensor_parallel_size)
+        params = load_checkpoint(path, self.model_config, self.dtype, shardings)
         target = build_model(self.model_config, params, attention_impl=self.config.attention_impl)
         self.target_graph, self.params = nnx.split(target)
         self.proposer, self.draft_params = build_proposer(self.speculative_config, self.model_config, self.dtype,
-                                                          attention_impl=self.config.attention_impl)
+                                                          attention_impl=self.config.attention_impl, mesh=self.mesh)
         self._check_kv_cache_fits()
         self._runner = WaveRunner(
             self.target_graph, self.params, self.proposer, self.draft_params,
             max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, eos_token_ids=self._eos_token_ids(),
             vocab_size=self.model_config.vocab_size, seed=seed,
-            synthetic_rates=self.speculative_config.synthetic_rates() if self.speculative_config else None)
+            synthetic_rates=self.speculative_config.synthetic_rates() if self.speculative_config else None,
+            mesh=self.mesh)
         self._requests_seen = 0
         self._totals = np.zeros(3, np.int64)
         self._totals_per_pos = np.zeros(max(self.proposer.k, 0), np.int64)
@@ -187,6 +190,7 @@ class LLM:
     def _check_kv_cache_fits(self) -> None:
         slots = self.max_model_len + self.proposer.k + 1
         need = cache_bytes(self.model_config, self.config.max_num_seqs, slots, self.dtype)
+        need //= parallel.cache_shards(self.model_config, self.config.tensor_parallel_size)  # per device
         need += self.proposer.cache_bytes(self.config.max_num_seqs, slots) if hasattr(self.proposer, "cache_bytes") else 0
         config_lib.check_kv_cache_fits(need, _free_device_bytes(), self.config.gpu_memory_utilization,
                                        max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs)
@@ -202,7 +206,7 @@ def _max_model_len(requested: int | None, cfg: ModelConfig) -> int:
 
 
 def _free_device_bytes() -> int:
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}  # this process's own device (jax.distributed)
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # CPU: free host memory

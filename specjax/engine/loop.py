@@ -15,6 +15,7 @@ from specjax.engine.proposers.base import Proposer
 from specjax.engine.rejection import rejection_sample
 from specjax.engine.state import LoopState, RowParams, SpecCounters
 from specjax.models.kv_cache import init_cache
+from specjax.parallel import gather_vocab
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +48,7 @@ def _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows,
     cache = init_cache(cfg, B, cache_len, target.embed[...].dtype)
     hidden, cache, _ = target(prompt_tokens, jnp.zeros((B,), jnp.int32), cache)
     last_hidden = hidden[jnp.arange(B), prompt_lengths - 1][:, None]  # [B, 1, H]
-    raw_logits = target.logits(last_hidden)
+    raw_logits = gather_vocab(target.logits(last_hidden))
     logits = _mask_stop_ids(raw_logits, rows, generated=jnp.zeros((B,), jnp.int32))
     first = sampling.sample(logits[:, 0], rows.temperature, rows.top_k, rows.top_p, rows.min_p,
                             rows.seed, prompt_lengths)
@@ -77,7 +78,7 @@ def _step_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
         last = state.tokens[jnp.arange(B), state.lengths - 1]
         verify_tokens = jnp.concatenate([last[:, None], jnp.maximum(drafts, 0)], axis=1)
         hidden, cache, _ = target(verify_tokens, state.lengths - 1, state.cache)
-        raw_logits = target.logits(hidden)  # [B, k+1, V]
+        raw_logits = gather_vocab(target.logits(hidden))  # [B, k+1, V]
         logits = _mask_stop_ids(raw_logits, rows, generated=state.lengths - state.prompt_lengths)
         out, accepted = _verify(logits, drafts, draft_probs, rows, state.lengths, spec, synthetic_rates)
         active = ~state.done

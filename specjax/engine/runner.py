@@ -6,13 +6,14 @@ import dataclasses
 from typing import Any, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from specjax.engine.loop import LoopSpec, build_generate
 from specjax.engine.proposers.base import Proposer
 from specjax.engine.state import LoopState, RowParams
+from specjax.parallel import sharded_generate
 from specjax.sampling_params import SamplingParams, to_row_arrays
 
 MIN_PROMPT_BUCKET = 16
@@ -45,12 +46,14 @@ def bucket(n: int, minimum: int = 1) -> int:
 class WaveRunner:
     def __init__(self, target_graph: nnx.GraphDef, target_state: Any, proposer: Proposer, draft_state: Any,
                  *, max_num_seqs: int, max_model_len: int, eos_token_ids: Sequence[int], vocab_size: int,
-                 seed: int, synthetic_rates: tuple[float, ...] | None = None):
+                 seed: int, synthetic_rates: tuple[float, ...] | None = None, mesh: Mesh | None = None):
+        """mesh: run each wave tensor-parallel over it (the states already placed on it); None: one device."""
         self.target_graph, self.target_state = target_graph, target_state
         self.proposer, self.draft_state = proposer, draft_state
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.eos_token_ids, self.vocab_size, self.seed = tuple(eos_token_ids), vocab_size, seed
-        self.synthetic_rates = None if synthetic_rates is None else jnp.asarray(synthetic_rates, jnp.float32)
+        self.synthetic_rates = None if synthetic_rates is None else np.asarray(synthetic_rates, np.float32)
+        self.mesh = mesh
         self._compiled: dict[int, Any] = {}
 
     def waves(self, requests: Sequence[Request]) -> Iterator[list[Request]]:
@@ -62,17 +65,21 @@ class WaveRunner:
         prompts, lengths, rows, cache_len = self._pack(wave)
         state = self._generate_fn(n_top)(self.target_state, self.draft_state, prompts, lengths, rows, cache_len,
                                          self.synthetic_rates)
-        return _unpack(jax.device_get(state), len(wave))
+        # Only what the host reads: the KV caches stay on device (and are not addressable from one process
+        # when the mesh spans hosts).
+        return _unpack(jax.device_get(dataclasses.replace(state, cache=None, proposer=None)), len(wave))
 
     def _generate_fn(self, n_top: int):
         """One jitted function per n_top; jit itself caches one executable per shape bucket."""
         if n_top not in self._compiled:
             spec = LoopSpec(k=self.proposer.k, n_top=n_top, max_model_len=self.max_model_len)
-            self._compiled[n_top] = jax.jit(build_generate(self.target_graph, self.proposer, spec),
-                                            static_argnums=(5,))
+            generate = build_generate(self.target_graph, self.proposer, spec)
+            if self.mesh is not None:
+                generate = sharded_generate(generate, self.mesh)
+            self._compiled[n_top] = jax.jit(generate, static_argnums=(5,))
         return self._compiled[n_top]
 
-    def _pack(self, wave: Sequence[Request]) -> tuple[jax.Array, jax.Array, RowParams, int]:
+    def _pack(self, wave: Sequence[Request]) -> tuple[np.ndarray, np.ndarray, RowParams, int]:
         B = min(bucket(len(wave)), self.max_num_seqs)
         longest = max(len(r.prompt_token_ids) for r in wave)
         P = min(bucket(longest, MIN_PROMPT_BUCKET), self.max_model_len)
@@ -96,7 +103,8 @@ class WaveRunner:
         rows = RowParams(temperature=arrays.temperature, top_k=arrays.top_k, top_p=arrays.top_p,
                          min_p=arrays.min_p, seed=seeds, max_tokens=max_tokens, min_tokens=min_tokens,
                          stop_ids=self._stop_ids(wave, B))
-        return jnp.asarray(prompts), jnp.asarray(lengths), jax.tree.map(jnp.asarray, rows), cache_len
+        # Host arrays: jit places them on the mesh (under jax.distributed every process passes the same).
+        return prompts, lengths, jax.tree.map(np.asarray, rows), cache_len
 
     def _max_new(self, r: Request) -> int:
         room = self.max_model_len - len(r.prompt_token_ids)

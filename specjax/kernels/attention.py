@@ -1,4 +1,9 @@
-"""Attention dispatcher: the Pallas/Triton kernel on NVIDIA sm_80+, the pure-JAX reference elsewhere."""
+"""Attention dispatcher: the Pallas/Triton kernel on NVIDIA sm_80+, the pure-JAX reference elsewhere.
+
+Traced under a tensor-parallel layout (`specjax.parallel.traced_with`), each device runs the chosen
+implementation on its own heads under `shard_map`: XLA cannot partition a Pallas kernel, and attention
+needs no collective when q is split by heads and the KV cache by kv heads.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,11 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from specjax.kernels.attention_reference import attention_reference
 from specjax.kernels.attention_triton import KernelConfig, attention_triton, unsupported_reason
+from specjax.parallel import Layout, current_layout, shards_kv_heads
 
 Impl = Literal["auto", "reference", "triton"]
 _IMPLS = ("auto", "reference", "triton")
@@ -48,10 +55,55 @@ def attention(
     """
     _check_inputs(q, k_cache, v_cache, layer, start, scale, impl)
     chosen = _resolve_impl(impl, interpret, q.shape, k_cache.shape)
-    if chosen == "reference":
-        return attention_reference(q, k_cache, v_cache, layer, start, scale=scale)
-    return attention_triton(q, k_cache, v_cache, layer, start, scale=scale, config=config,
-                            interpret=interpret)
+    run = _runner(chosen, scale, interpret, config)
+    layout = current_layout()
+    if layout is None or layout.mesh.size == 1:
+        return run(q, k_cache, v_cache, layer, start)
+    return _per_shard(run, layout, q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), start)
+
+
+def _runner(chosen: Literal["reference", "triton"], scale: float, interpret: bool, config: KernelConfig | None):
+    def run(q, k_cache, v_cache, layer, start):
+        if chosen == "reference":
+            return attention_reference(q, k_cache, v_cache, layer, start, scale=scale)
+        return attention_triton(q, k_cache, v_cache, layer, start, scale=scale, config=config,
+                                interpret=interpret)
+
+    return run
+
+
+def _per_shard(run, layout: Layout, q, k_cache, v_cache, layer, start) -> jax.Array:
+    """`run` on each device's heads under shard_map. With fewer kv heads than head shards the
+    cache is replicated and each shard's q heads all belong to one kv head, which it picks out."""
+    mesh, head_axis = layout.mesh, layout.head_axis
+    shards = mesh.shape[head_axis] if head_axis else 1
+    num_q_heads, num_kv_heads = q.shape[2], k_cache.shape[2]
+    kv_split = shards_kv_heads(num_kv_heads, shards)
+    if num_q_heads % shards or (not kv_split and shards % num_kv_heads):
+        raise ValueError(f"attention under tensor parallelism: Hq={num_q_heads} must be divisible by the "
+                         f"{head_axis!r} mesh axis size {shards}, and Hkv={num_kv_heads} divide it or be "
+                         "divisible by it")
+    q_spec = P(None, None, head_axis, None)
+    kv_spec = P(None, None, head_axis if kv_split else None, None, None)
+
+    def local(q, k_cache, v_cache, layer, start):
+        if not kv_split:
+            k_cache, v_cache, layer = _own_kv_head(k_cache, v_cache, layer, head_axis, shards // num_kv_heads)
+        return run(q, k_cache, v_cache, layer, start)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(), P()), out_specs=q_spec,
+                         check_vma=False)(q, k_cache, v_cache, layer, start)
+
+
+def _own_kv_head(k_cache, v_cache, layer, head_axis: str, shards_per_kv_head: int):
+    """This shard's layer and kv head of a replicated cache, as a one-layer, one-head cache [1,B,1,S,D]."""
+    head = jax.lax.axis_index(head_axis) // shards_per_kv_head
+    _, batch, _, slots, head_dim = k_cache.shape
+
+    def take(cache):
+        return jax.lax.dynamic_slice(cache, (layer, 0, head, 0, 0), (1, batch, 1, slots, head_dim))
+
+    return take(k_cache), take(v_cache), jnp.zeros((), jnp.int32)
 
 
 def _resolve_impl(impl: Impl, interpret: bool, q_shape: tuple[int, ...],

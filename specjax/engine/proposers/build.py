@@ -4,9 +4,11 @@ from __future__ import annotations
 from typing import Any
 
 from flax import nnx
+from jax.sharding import Mesh
 
 from checkpoints_conv import load_checkpoint
 from specjax import config as config_lib
+from specjax import parallel
 from specjax.engine.proposers.base import NoProposer, Proposer
 from specjax.engine.proposers.draft_model import DraftModelProposer
 from specjax.engine.proposers.ngram import propose_ngram
@@ -29,7 +31,9 @@ class NgramProposer:
 
 
 def build_proposer(spec: "config_lib.SpeculativeConfig | None", target_cfg: ModelConfig, dtype,
-                   *, attention_impl: str = "auto") -> tuple[Proposer, Any]:
+                   *, attention_impl: str = "auto", mesh: Mesh | None = None) -> tuple[Proposer, Any]:
+    """mesh: the target's tensor-parallel mesh; a draft model is placed on it (replicated when
+    draft_tensor_parallel_size is 1, split like the target when equal)."""
     if spec is None:
         return NoProposer(), None
     if spec.method == "ngram":
@@ -38,9 +42,14 @@ def build_proposer(spec: "config_lib.SpeculativeConfig | None", target_cfg: Mode
         path = resolve_model(spec.model, revision=spec.revision)
         draft_cfg = ModelConfig.from_dir(path)
         config_lib.check_draft_compatible(target_cfg, draft_cfg)
-        draft = build_model(draft_cfg, load_checkpoint(path, draft_cfg, dtype), attention_impl=attention_impl)
+        shardings = parallel.draft_shardings(draft_cfg, mesh, spec.draft_tensor_parallel_size)
+        draft = build_model(draft_cfg, load_checkpoint(path, draft_cfg, dtype, shardings),
+                            attention_impl=attention_impl)
         graph, state = nnx.split(draft)
-        return DraftModelProposer(graph, spec.num_speculative_tokens,
-                                  probabilistic=spec.draft_sample_method == "probabilistic"), state
+        proposer = DraftModelProposer(graph, spec.num_speculative_tokens,
+                                      probabilistic=spec.draft_sample_method == "probabilistic")
+        if mesh is not None and spec.draft_tensor_parallel_size == 1:
+            proposer = parallel.Replicated(proposer)
+        return proposer, state
     raise NotImplementedError(f"speculative method {spec.method!r} has no proposer yet; "
                               f"available: {sorted(config_lib.IMPLEMENTED_METHODS)}")

@@ -1,0 +1,458 @@
+"""Tensor parallelism on 8 simulated CPU devices: greedy outputs equal TP=1 token for token for every method,
+parameters and KV cache really sharded, only the collectives the layout needs, attention per shard under
+shard_map (the Pallas kernel in interpret mode too), replicas over a data axis, clear errors, and two
+processes under jax.distributed sharing one tensor-parallel mesh.
+
+XLA reads --xla_force_host_platform_device_count once, when JAX starts, and the rest of the suite runs in a
+one-device process; so `test_tensor_parallel_suite_on_8_cpu_devices` reruns this file in a subprocess with
+8 devices, where the other tests run (they are skipped in a process with fewer devices).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from specjax import LLM, SamplingParams, parallel
+from specjax.engine.loop import LoopSpec, build_generate
+from specjax.engine.proposers.build import NgramProposer
+from specjax.engine.runner import Request
+from specjax.engine.state import RowParams
+from specjax.kernels.attention import attention
+from specjax.kernels.attention_reference import attention_reference
+from specjax.models.model_config import ModelConfig
+from specjax.models.registry import random_model
+
+DEVICES = 8
+HERE = Path(__file__).resolve()
+# String conditions are evaluated when a test runs, not at import: a --worker process (below) must not start
+# JAX before jax.distributed.initialize.
+needs_8 = pytest.mark.skipif("jax.device_count() < DEVICES",
+                             reason="needs 8 devices: run by test_tensor_parallel_suite_on_8_cpu_devices")
+
+V = 128
+TARGET = dict(vocab_size=V, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+              num_key_value_heads=4, tie_word_embeddings=False)
+# A Qwen2 draft: q/k/v biases, tied embeddings, 4 heads (so not splittable 8 ways), 2 kv heads.
+DRAFT = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, tie_word_embeddings=True, use_sliding_window=False)
+COMMON = dict(max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0)
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [40, 41, 42], [77], [100, 3, 100, 3, 100, 3, 100, 3, 100]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+LIMITS = dict(max_model_len=64, max_num_seqs=4)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Expected split axis of each leaf, written out here rather than read from specjax.parallel.
+SPLIT_AXIS = {"embed": 0, "lm_head": 1, "wq": 2, "wk": 2, "wv": 2, "bq": 1, "bk": 1, "bv": 1, "wo": 1,
+              "w_gate": 2, "w_up": 2, "w_down": 1}
+KV_LEAVES = {"wk", "wv", "bk", "bv"}
+
+
+# ---------------------------------------------------------------------------------------------- the driver
+
+@pytest.mark.skipif("jax.device_count() >= DEVICES", reason="this process has 8 devices: the tests run here")
+def test_tensor_parallel_suite_on_8_cpu_devices():
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE)],
+                         cwd=HERE.parent.parent, env=env, capture_output=True, text=True, timeout=1200)
+    report = run.stdout[-6000:] + run.stderr[-3000:]
+    assert run.returncode == 0, report
+    passed = re.search(r"(\d+) passed", run.stdout)
+    assert passed and int(passed.group(1)) >= 20, report
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+
+def _write_checkpoint(out: Path, config_class: str, fields: dict, seed: int) -> Path:
+    """A random fp32 transformers model in HF layout, norms and biases randomised so a swapped or mis-split
+    leaf changes the output."""
+    import torch
+    import transformers
+
+    config = getattr(transformers, config_class)(**fields, **COMMON)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape))
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn(param.shape))
+            else:  # sharper distributions: greedy argmax margins well above fp32 reduction-order noise
+                param.mul_(3.0)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return _write_checkpoint(tmp_path_factory.mktemp("tp_target"), "LlamaConfig", TARGET, seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    return _write_checkpoint(tmp_path_factory.mktemp("tp_draft"), "Qwen2Config", DRAFT, seed=1)
+
+
+@pytest.fixture(scope="module")
+def build(target_dir, draft_dir, default_model_dir):
+    """build(tp, method) -> (LLM, [token ids per prompt]), each built and run once per module."""
+    specs = {"none": None, "ngram": NGRAM,
+             "draft_tp1": {"model": str(draft_dir), "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1},
+             "draft_tp_same": {"model": str(draft_dir), "num_speculative_tokens": 3}}
+    made = {}
+
+    def make(tp: int, method: str):
+        if (tp, method) not in made:
+            llm = LLM(str(target_dir), tokenizer=str(default_model_dir), tensor_parallel_size=tp,
+                      speculative_config=specs[method], **LIMITS)
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+            made[tp, method] = llm, outs
+        return made[tp, method]
+
+    return make
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _accepted(outs):
+    return [o.outputs[0].num_accepted_tokens for o in outs]
+
+
+# ------------------------------------------------------------------------------- outputs equal TP=1
+
+CASES = [(2, "none"), (2, "ngram"), (2, "draft_tp1"), (2, "draft_tp_same"),
+         (4, "none"), (4, "ngram"), (4, "draft_tp1"), (4, "draft_tp_same"),
+         (8, "none"), (8, "ngram"), (8, "draft_tp1")]
+
+
+@needs_8
+@pytest.mark.parametrize("tp,method", CASES, ids=[f"tp{tp}-{m}" for tp, m in CASES])
+def test_greedy_outputs_equal_tp1(build, tp, method):
+    _, reference = build(1, "draft_tp1" if method.startswith("draft") else method)  # TP=1: one device
+    _, outs = build(tp, method)
+    assert _tokens(outs) == _tokens(reference)
+    assert [len(t) for t in _tokens(outs)] == [GREEDY.max_tokens] * len(PROMPTS)
+    if method != "none":  # the same drafts were proposed and accepted
+        assert _accepted(outs) == _accepted(reference)
+        assert sum(_accepted(outs)) > 0
+
+
+@needs_8
+def test_plain_and_speculative_agree_at_tp1_too(build):
+    """The TP=1 references are themselves lossless, so the comparisons above compare like with like."""
+    plain = _tokens(build(1, "none")[1])
+    for method in ("ngram", "draft_tp1"):
+        assert _tokens(build(1, method)[1]) == plain
+
+
+# -------------------------------------------------------------------------------- params really sharded
+
+def _check_leaf(path: str, leaf: jax.Array, tp: int, cfg: ModelConfig, replicated: bool = False) -> None:
+    name = path.split("/")[-1]
+    axis = None if replicated else SPLIT_AXIS.get(name)
+    if name in KV_LEAVES and cfg.num_kv_heads < tp:
+        axis = None  # fewer kv heads than devices: K/V projections replicated
+    expected_spec = P(*("model" if i == axis else None for i in range(leaf.ndim)))
+    expected_shape = tuple(n // tp if i == axis else n for i, n in enumerate(leaf.shape))
+    assert isinstance(leaf.sharding, NamedSharding), path
+    assert leaf.sharding.mesh.shape["model"] == tp, path
+    assert P(*leaf.sharding.spec) == expected_spec or (axis is None and all(s is None for s in leaf.sharding.spec)), \
+        (path, leaf.sharding.spec, expected_spec)
+    assert {d.id for d in leaf.sharding.device_set} == set(range(tp)), path
+    shards = leaf.addressable_shards
+    assert len(shards) == tp and all(s.data.shape == expected_shape for s in shards), (path, expected_shape)
+    if axis is not None:  # each device holds a different slice
+        assert len({s.index[axis].start for s in shards}) == tp, path
+
+
+def _leaves(state) -> dict[str, jax.Array]:
+    return {"/".join(str(k.key) for k in p if isinstance(k, jax.tree_util.DictKey)): x
+            for p, x in jax.tree_util.tree_leaves_with_path(state)}
+
+
+@needs_8
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_each_param_leaf_is_sharded_as_the_layout_says(build, tp):
+    llm, _ = build(tp, "none")
+    leaves = _leaves(llm.params)
+    assert {"embed", "lm_head", "layers/wq", "layers/wk", "layers/w_down", "final_norm"} <= set(leaves)
+    for path, leaf in leaves.items():
+        _check_leaf(path, leaf, tp, llm.model_config)
+
+
+@needs_8
+@pytest.mark.parametrize("method", ["draft_tp1", "draft_tp_same"])
+def test_draft_params_are_replicated_or_split_like_the_target(build, draft_dir, method):
+    tp = 4
+    llm, _ = build(tp, method)
+    cfg = ModelConfig.from_dir(draft_dir)
+    leaves = _leaves(llm.draft_params)
+    assert {"embed", "layers/bq", "layers/bk", "layers/wo"} <= set(leaves)  # tied, with q/k/v biases
+    for path, leaf in leaves.items():
+        _check_leaf(path, leaf, tp, cfg, replicated=method == "draft_tp1")
+
+
+# ---------------------------------------------------------------------------------- KV cache and HLO
+
+def _wave_state(llm):
+    runner = llm._runner
+    wave = [Request(p, GREEDY, i) for i, p in enumerate(PROMPTS)]
+    prompts, lengths, rows, cache_len = runner._pack(wave)
+    args = (runner.target_state, runner.draft_state, prompts, lengths, rows, cache_len, runner.synthetic_rates)
+    return runner._generate_fn(0), args
+
+
+@needs_8
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_kv_cache_is_split_by_kv_head_or_replicated_when_fewer(build, tp):
+    llm, _ = build(tp, "ngram")
+    fn, args = _wave_state(llm)
+    cache = fn(*args).cache
+    L, B, Hkv, S, D = cache.k.shape
+    assert (L, B, Hkv, D) == (2, 4, 4, 8)
+    per_device = (L, B, Hkv // tp if Hkv >= tp else Hkv, S, D)
+    for array in (cache.k, cache.v):
+        assert len(array.addressable_shards) == tp
+        assert all(s.data.shape == per_device for s in array.addressable_shards)
+        starts = {s.index[2].start for s in array.addressable_shards}
+        assert len(starts) == (tp if Hkv >= tp else 1)
+    # Inside the compiled loop too: the while carries hold the per-device cache, never the whole one.
+    hlo = fn.lower(*args).compile().as_text()
+    carried = re.findall(r"f32\[" + ",".join(map(str, (L, B))) + r",\d+," + f"{S},{D}" + r"\]",
+                         " ".join(line for line in hlo.splitlines() if " while(" in line))
+    assert carried and set(carried) == {"f32[" + ",".join(map(str, per_device)) + "]"}, set(carried)
+
+
+def _collectives(hlo: str) -> dict[str, list[str]]:
+    """The array shapes each kind of collective in compiled HLO text produces (XLA may combine several into
+    one tuple-shaped collective: each element counts)."""
+    found: dict[str, list[str]] = {}
+    for result, kind in re.findall(r"= (\(.*?\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|"
+                                   r"collective-permute|collective-broadcast)(?:-start)?\(", hlo):
+        found.setdefault(kind, []).extend(re.findall(r"\w+\[[\d,]*\]", result))
+    return found
+
+
+@needs_8
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_only_the_layout_collectives_are_compiled(build, method):
+    """Per forward pass (prefill, then each loop step): one all-reduce after the vocab-parallel embedding,
+    one after o and one after down (inside the scanned layer body), one all-gather of the logits."""
+    tp = 2
+    llm, _ = build(tp, method)
+    fn, args = _wave_state(llm)
+    found = _collectives(fn.lower(*args).compile().as_text())
+    assert set(found) <= {"all-reduce", "all-gather"}, found
+    B, P_bucket, k = 4, 16, llm.proposer.k
+    reduce_shapes = sorted(found["all-reduce"])
+    assert reduce_shapes == sorted([f"f32[{B},{P_bucket},64]"] * 3 + [f"f32[{B},{k + 1},64]"] * 3), reduce_shapes
+    assert sorted(found["all-gather"]) == sorted([f"f32[{B},1,{V}]", f"f32[{B},{k + 1},{V}]"]), found
+
+
+# ----------------------------------------------------------------------- attention per shard, replicas
+
+@needs_8
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("num_kv_heads", [4, 2], ids=["kv-split", "kv-replicated"])
+def test_attention_runs_per_shard_under_shard_map(impl, num_kv_heads):
+    tp, B, T, Hq, S, D, L = 4, 2, 3, 8, 32, 16, 2
+    mesh = parallel.build_mesh(tp)
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q = jax.random.normal(keys[0], (B, T, Hq, D))
+    k_cache = jax.random.normal(keys[1], (L, B, num_kv_heads, S, D))
+    v_cache = jax.random.normal(keys[2], (L, B, num_kv_heads, S, D))
+    start = jnp.array([5, 20], jnp.int32)
+    kv_axis = "model" if num_kv_heads >= tp else None
+    q = jax.device_put(q, NamedSharding(mesh, P(None, None, "model")))
+    k_cache, v_cache = (jax.device_put(c, NamedSharding(mesh, P(None, None, kv_axis))) for c in (k_cache, v_cache))
+
+    def sharded(q, k_cache, v_cache, layer, start):
+        with parallel.traced_with(parallel.Layout(mesh, head_axis="model")):
+            return attention(q, k_cache, v_cache, layer, start, scale=D ** -0.5, impl=impl, interpret=True)
+
+    fn = jax.jit(sharded)
+    out = fn(q, k_cache, v_cache, jnp.int32(1), start)
+    expected = attention_reference(*(jax.device_get(x) for x in (q, k_cache, v_cache)), 1, start, scale=D ** -0.5)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=2e-5, atol=2e-5)
+    assert out.sharding.spec[2] == "model" and out.addressable_shards[0].data.shape == (B, T, Hq // tp, D)
+    hlo = fn.lower(q, k_cache, v_cache, jnp.int32(1), start).compile().as_text()
+    assert not _collectives(hlo), "attention over heads needs no communication"
+
+
+SMALL = ModelConfig(architecture="LlamaForCausalLM", vocab_size=V, hidden_size=64, intermediate_size=64,
+                    num_layers=2, num_heads=8, num_kv_heads=4, head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4,
+                    rope_scaling=None, tie_word_embeddings=True, attention_bias=False, qk_norm=False,
+                    max_position_embeddings=128, bos_token_id=None, eos_token_ids=(), torch_dtype="float32")
+
+
+@needs_8
+def test_replicas_on_a_data_axis_each_generate_their_rows():
+    """8 devices as 2 replicas x TP 4: the same tokens as one device, the cache split by rows and kv heads,
+    and no collective between the replicas other than the final step count."""
+    graph, state = nnx.split(random_model(SMALL, seed=0))
+    state = jax.tree.map(lambda x: x * 6, state)
+    generate = build_generate(graph, NgramProposer(3, 1, 3), LoopSpec(k=3, n_top=0, max_model_len=64))
+    B = 4
+    rows = RowParams(temperature=np.zeros(B, np.float32), top_k=np.zeros(B, np.int32), top_p=np.ones(B, np.float32),
+                     min_p=np.zeros(B, np.float32), seed=np.arange(B, dtype=np.uint32),
+                     max_tokens=np.full(B, 20, np.int32), min_tokens=np.zeros(B, np.int32),
+                     stop_ids=np.full((B, 1), -1, np.int32))
+    prompts = np.random.RandomState(0).randint(0, V, (B, 16)).astype(np.int32)
+    lengths = np.array([9, 4, 1, 7], np.int32)
+    one_device = jax.jit(generate, static_argnums=5)(state, None, prompts, lengths, rows, 48)
+    mesh = parallel.build_mesh(4, jax.devices())
+    assert dict(mesh.shape) == {"data": 2, "model": 4}
+    fn = jax.jit(parallel.sharded_generate(generate, mesh), static_argnums=5)
+    args = (parallel.shard_state(state, SMALL, mesh), None, prompts, lengths, rows, 48)
+    out = fn(*args)
+    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(one_device.lengths))
+    for b in range(B):
+        assert (np.asarray(out.tokens)[b, :int(out.lengths[b])] ==
+                np.asarray(one_device.tokens)[b, :int(one_device.lengths[b])]).all()
+    assert {s.data.shape for s in out.cache.k.addressable_shards} == {(2, B // 2, 1, 48, 8)}
+    # Each replica's own tensor-parallel collectives, on its 2 rows, and the step count's max over replicas.
+    found = _collectives(fn.lower(*args).compile().as_text())
+    assert set(found) == {"all-reduce", "all-gather"}, found
+    assert sorted(found["all-reduce"]) == sorted(["f32[2,16,64]"] * 3 + ["f32[2,4,64]"] * 3 + ["s32[]"])
+    assert sorted(found["all-gather"]) == ["f32[2,1,128]", "f32[2,4,128]"]
+
+
+# ------------------------------------------------------------------------------------------------- rules
+
+def test_partition_rules_cover_every_leaf_of_every_family():
+    variants = [SMALL, dataclasses.replace(SMALL, tie_word_embeddings=False, attention_bias=True, qk_norm=True,
+                                           vocab_size=97)]
+    for cfg in variants:
+        for tp in (2, 4, 8):
+            specs = {p: parallel.leaf_spec(p, cfg, tp) for p in _paths(cfg)}
+            for path, spec in specs.items():
+                name = path.split("/")[-1]
+                vocab_replicated = name in ("embed", "lm_head") and cfg.vocab_size % tp
+                kv_replicated = name in KV_LEAVES and cfg.num_kv_heads < tp
+                if name in SPLIT_AXIS and not vocab_replicated and not kv_replicated:
+                    assert spec[SPLIT_AXIS[name]] == "model", (path, spec)
+                else:
+                    assert all(s is None for s in spec), (path, spec)
+
+
+def _paths(cfg):
+    from checkpoints_conv import hf_name_map
+    return list(hf_name_map(cfg))
+
+
+@pytest.mark.parametrize("heads,kv_heads,inter,tp,match", [
+    (9, 3, 64, 2, "num_heads=9 is not divisible by tensor_parallel_size=2"),
+    (12, 6, 64, 4, "num_kv_heads=6 is not divisible by tensor_parallel_size=4"),
+    (12, 3, 64, 4, "larger than the model's num_kv_heads=3 but not a multiple"),
+    (8, 4, 60, 8, "intermediate_size=60 is not divisible"),
+])
+def test_shapes_that_cannot_be_split_are_refused(heads, kv_heads, inter, tp, match):
+    cfg = dataclasses.replace(SMALL, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=inter)
+    with pytest.raises(ValueError, match=match):
+        parallel.check_tensor_parallel(cfg, tp)
+
+
+@needs_8
+def test_mesh_from_the_global_device_list():
+    """What jax.distributed changes is jax.devices(): it lists every process's devices, and the mesh is
+    built from it the same way."""
+    mesh = parallel.build_mesh(2)
+    assert dict(mesh.shape) == {"data": 1, "model": 2}
+    assert list(mesh.devices.flat) == jax.devices()[:2]
+    mesh = parallel.build_mesh(2, jax.devices())
+    assert dict(mesh.shape) == {"data": 4, "model": 2}
+    assert mesh.devices.tolist() == np.asarray(jax.devices()).reshape(4, 2).tolist()
+    with pytest.raises(ValueError, match="cannot be split into replicas"):
+        parallel.build_mesh(3, jax.devices())
+    with pytest.raises(ValueError, match="tensor_parallel_size=16 is larger than the 8"):
+        parallel.build_mesh(16)
+
+
+@needs_8
+def test_llm_refuses_bad_tensor_parallel_sizes_before_loading(default_model_dir, target_dir, draft_dir, tmp_path):
+    """SmolLM2 (9 heads, 3 kv heads): TP 2 and 4 are refused from its config.json alone (no weights here)."""
+    (tmp_path / "config.json").write_text((default_model_dir / "config.json").read_text())
+    for tp in (2, 4):
+        with pytest.raises(ValueError, match=f"num_heads=9 is not divisible by tensor_parallel_size={tp}"):
+            LLM(str(tmp_path), tokenizer=str(default_model_dir), tensor_parallel_size=tp)
+    with pytest.raises(ValueError, match="tensor_parallel_size=16 is larger than the 8"):
+        LLM(str(tmp_path), tokenizer=str(default_model_dir), tensor_parallel_size=16)
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2 must be 1 or the target's"):
+        LLM(str(target_dir), tokenizer=str(default_model_dir), tensor_parallel_size=4,
+            speculative_config={"model": str(draft_dir), "num_speculative_tokens": 2,
+                                "draft_tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="draft model's num_heads=4 is not divisible by draft_tensor_parallel_size=8"
+                                         ".*draft_tensor_parallel_size'\\] = 1"):
+        LLM(str(target_dir), tokenizer=str(default_model_dir), tensor_parallel_size=8,
+            speculative_config={"model": str(draft_dir), "num_speculative_tokens": 2})
+
+
+# ------------------------------------------------------------------------------------- the real model
+
+@needs_8
+@pytest.mark.slow
+def test_default_model_at_tp3_equals_tp1(default_model_dir):
+    """SmolLM2-135M: 9 heads and 3 kv heads split 3 ways, vocabulary 49152 split 3 ways."""
+    prompts = ["The capital of France is", "1, 2, 3, 4, 5, 6,"]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    outs = {}
+    for tp in (1, 3):
+        llm = LLM(str(default_model_dir), tensor_parallel_size=tp, speculative_config=NGRAM,
+                  max_model_len=128, max_num_seqs=2)
+        outs[tp] = llm.generate(prompts, params, use_tqdm=False)
+    assert _tokens(outs[3]) == _tokens(outs[1])
+    assert _accepted(outs[3]) == _accepted(outs[1])
+    assert llm.params["layers"]["wk"].addressable_shards[0].data.shape == (30, 576, 64)
+
+
+# ------------------------------------------------------------------------------------------- multi-host
+
+@needs_8
+@pytest.mark.slow
+def test_two_processes_share_one_mesh_under_jax_distributed(build, target_dir, default_model_dir):
+    """Two processes with 4 CPU devices each (gloo collectives) run LLM(tensor_parallel_size=8) over all 8:
+    each gets the whole result, equal to one device's."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               PYTHONPATH=os.pathsep.join([str(HERE.parent.parent), os.environ.get("PYTHONPATH", "")]))
+    workers = [subprocess.Popen([sys.executable, str(HERE), "--worker", str(i), str(port), str(target_dir),
+                                 str(default_model_dir)], env=env, cwd=HERE.parent.parent,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    logs = [w.communicate(timeout=600)[0] for w in workers]
+    assert all(w.returncode == 0 for w in workers), "\n".join(log[-3000:] for log in logs)
+    expected = _tokens(build(1, "none")[1])
+    for log in logs:
+        result = json.loads(re.search(r"^RESULT (.*)$", log, re.M).group(1))
+        assert result == expected
+
+
+def _worker(process_id: int, port: int, target: str, tokenizer: str) -> None:
+    """One process of the multi-host test (run as `python tests/test_parallel.py --worker ...`)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+    assert jax.device_count() == 8 and jax.local_device_count() == 4
+    llm = LLM(target, tokenizer=tokenizer, tensor_parallel_size=8, **LIMITS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    print("RESULT " + json.dumps(_tokens(outs)), flush=True)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
