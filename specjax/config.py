@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 import os
@@ -230,7 +231,7 @@ def _gib(num_bytes: float) -> str:
 
 KNOWN_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 # The methods the engine runs; extend as proposers land.
-IMPLEMENTED_METHODS = frozenset({"ngram", "draft_model"})
+IMPLEMENTED_METHODS = frozenset({"ngram", "draft_model", "eagle", "eagle3"})
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 REJECTION_SAMPLE_METHODS = ("standard", "synthetic")
 # vLLM's default n-gram window when neither bound is given.
@@ -374,8 +375,8 @@ def _infer_method(method: Any, model: Any) -> tuple[str, str | None]:
     if method not in IMPLEMENTED_METHODS:
         raise NotImplementedError(f"speculative method {method!r} is not implemented in specjax yet; "
                                   f"available: {sorted(IMPLEMENTED_METHODS)}")
-    if method == "draft_model" and model is None:
-        raise ValueError("speculative_config method 'draft_model' needs 'model': the draft checkpoint "
+    if method in ("draft_model", "eagle", "eagle3") and model is None:
+        raise ValueError(f"speculative_config method {method!r} needs 'model': the draft checkpoint "
                          "(a Hugging Face Hub id or a local directory)")
     return method, None if method == "ngram" else model
 
@@ -386,7 +387,19 @@ def _method_from_model_name(model: str | None) -> str:
         return "eagle"
     if "eagle3" in name:
         return "eagle3"
-    return "draft_model"
+    return _method_from_local_config(model) or "draft_model"
+
+
+def _method_from_local_config(model: str | None) -> str | None:
+    """A local head directory whose config.json says eagle / eagle3 (speculators_model_type, or an Eagle
+    architecture) is that method whatever its name."""
+    from checkpoints_conv.eagle_loader import method_from_head_config
+
+    config_file = os.path.join(os.path.expanduser(model or ""), "config.json")
+    if not model or not os.path.isfile(config_file):
+        return None
+    with open(config_file) as f:
+        return method_from_head_config(json.load(f))
 
 
 def _required_k(k: Any) -> int:

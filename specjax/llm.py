@@ -58,7 +58,8 @@ class LLM:
         target = build_model(self.model_config, params, attention_impl=self.config.attention_impl)
         self.target_graph, self.params = nnx.split(target)
         self.proposer, self.draft_params = build_proposer(self.speculative_config, self.model_config, self.dtype,
-                                                          attention_impl=self.config.attention_impl, mesh=self.mesh)
+                                                          attention_impl=self.config.attention_impl, mesh=self.mesh,
+                                                          target_params=self.params)
         self._check_kv_cache_fits()
         self._runner = WaveRunner(
             self.target_graph, self.params, self.proposer, self.draft_params,

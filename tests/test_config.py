@@ -198,8 +198,17 @@ def test_draft_model_inferred_from_a_model_and_lookup_zeroed():
     ({"model": "AngelSlim/Qwen3-8B_eagle3"}, "eagle3"),
     ({"method": "draft_model", "model": "yuhuili/EAGLE-LLaMA3-Instruct-8B"}, "eagle"),
     ({"method": "eagle", "model": "some/head"}, "eagle"),
-    ({"method": "mtp"}, "mtp"),
 ])
+def test_eagle_methods_inferred_from_the_head_name_as_vllm_does(d, method):
+    assert spec({**d, "num_speculative_tokens": 2}).method == method
+
+
+def test_eagle_needs_a_head():
+    with pytest.raises(ValueError, match="'eagle3' needs 'model'"):
+        spec({"method": "eagle3", "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("d, method", [({"method": "mtp"}, "mtp")])
 def test_unimplemented_methods_raise_not_implemented_naming_what_exists(d, method):
     with pytest.raises(NotImplementedError, match=f"'{method}' is not implemented") as info:
         spec({**d, "num_speculative_tokens": 2})
@@ -212,9 +221,9 @@ def test_old_mtp_method_names_map_to_mtp():
 
 
 def test_implemented_methods_is_the_one_switch(monkeypatch):
-    monkeypatch.setattr(config_lib, "IMPLEMENTED_METHODS", config_lib.IMPLEMENTED_METHODS | {"eagle3"})
-    cfg = spec({"model": "org/EAGLE3-head", "num_speculative_tokens": 2})
-    assert (cfg.method, cfg.model) == ("eagle3", "org/EAGLE3-head")
+    monkeypatch.setattr(config_lib, "IMPLEMENTED_METHODS", config_lib.IMPLEMENTED_METHODS | {"mtp"})
+    cfg = spec({"method": "mtp", "num_speculative_tokens": 2})
+    assert (cfg.method, cfg.model) == ("mtp", None)
 
 
 @pytest.mark.parametrize("d, error, message", [

@@ -1,5 +1,6 @@
 """One jitted call per wave of requests: batched prefill, then ONE lax.while_loop of
-propose -> verify -> accept -> commit. Plain decoding is the same loop with k = 0.
+propose -> verify -> accept -> commit -> observe. Plain decoding is the same loop with k = 0.
+`observe` hands the proposer the target's hidden states of the pass just committed (EAGLE reads them).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.engine import sampling
-from specjax.engine.proposers.base import Proposer
+from specjax.engine.proposers.base import Proposer, TargetPass
 from specjax.engine.rejection import rejection_sample
 from specjax.engine.state import LoopState, RowParams, SpecCounters
 from specjax.models.kv_cache import init_cache
@@ -46,7 +47,8 @@ def _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows,
     B, P = prompt_tokens.shape
     cfg = target.cfg
     cache = init_cache(cfg, B, cache_len, target.embed[...].dtype)
-    hidden, cache, _ = target(prompt_tokens, jnp.zeros((B,), jnp.int32), cache)
+    start = jnp.zeros((B,), jnp.int32)
+    hidden, cache, aux = target(prompt_tokens, start, cache, capture_layers=proposer.capture_layers)
     last_hidden = hidden[jnp.arange(B), prompt_lengths - 1][:, None]  # [B, 1, H]
     raw_logits = gather_vocab(target.logits(last_hidden))
     logits = _mask_stop_ids(raw_logits, rows, generated=jnp.zeros((B,), jnp.int32))
@@ -63,7 +65,8 @@ def _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows,
         counters=SpecCounters(*(jnp.zeros((B,), jnp.int32) for _ in range(3)),
                               jnp.zeros((B, spec.k), jnp.int32)),
         steps=jnp.zeros((), jnp.int32))
-    return _commit(state, first[:, None], jnp.ones((B,), jnp.int32), raw_logits, rows, spec)
+    state = _commit(state, first[:, None], jnp.ones((B,), jnp.int32), raw_logits, rows, spec)
+    return _observe(proposer, draft_state, state, TargetPass(hidden, aux.captured, start), rows)
 
 
 def _step_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, synthetic_rates):
@@ -77,7 +80,8 @@ def _step_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
         drafts = _clamp_drafts(drafts, budget, k)
         last = state.tokens[jnp.arange(B), state.lengths - 1]
         verify_tokens = jnp.concatenate([last[:, None], jnp.maximum(drafts, 0)], axis=1)
-        hidden, cache, _ = target(verify_tokens, state.lengths - 1, state.cache)
+        start = state.lengths - 1
+        hidden, cache, aux = target(verify_tokens, start, state.cache, capture_layers=proposer.capture_layers)
         raw_logits = gather_vocab(target.logits(hidden))  # [B, k+1, V]
         logits = _mask_stop_ids(raw_logits, rows, generated=state.lengths - state.prompt_lengths)
         out, accepted = _verify(logits, drafts, draft_probs, rows, state.lengths, spec, synthetic_rates)
@@ -85,9 +89,16 @@ def _step_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
         state = dataclasses.replace(state, cache=cache, proposer=proposer_state,
                                     counters=_count(state.counters, drafts, accepted, active),
                                     steps=state.steps + 1)
-        return _commit(state, out, accepted + 1, raw_logits, rows, spec)
+        state = _commit(state, out, accepted + 1, raw_logits, rows, spec)
+        return _observe(proposer, draft_state, state, TargetPass(hidden, aux.captured, start), rows)
 
     return step
+
+
+def _observe(proposer: Proposer, draft_state, state: LoopState, target: TargetPass, rows: RowParams) -> LoopState:
+    """Let the proposer read what the target computed, now that the committed lengths are known."""
+    carry = proposer.observe(draft_state, state.proposer, target, state.tokens, state.lengths, rows)
+    return dataclasses.replace(state, proposer=carry)
 
 
 def _verify(logits, drafts, draft_probs, rows: RowParams, position, spec: LoopSpec, synthetic_rates):

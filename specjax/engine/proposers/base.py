@@ -1,6 +1,7 @@
 """What the loop asks of a draft mechanism. Proposers know the model interface, not each other."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol
 
 import jax
@@ -9,8 +10,20 @@ import jax.numpy as jnp
 from specjax.engine.state import RowParams
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TargetPass:
+    """What one target pass (prefill or verify) computed, for proposers that read the target's hidden states:
+    T tokens per row at positions start[b] .. start[b]+T-1, of which the committed ones are valid."""
+    hidden: jax.Array            # [B, T, H] final-normed hidden states
+    captured: jax.Array | None   # [B, T, n*H] residual stream entering each of the proposer's capture_layers
+    start: jax.Array             # i32 [B]
+
+
 class Proposer(Protocol):
     k: int
+    # Target layers whose entering residual stream `observe` needs (EAGLE-3); () for none.
+    capture_layers: tuple[int, ...]
 
     def init(self, draft_state: Any, prompt_tokens: jax.Array, prompt_lengths: jax.Array, cache_len: int) -> Any:
         """The proposer's carry after the prompt (e.g. the draft model's prefilled KV cache)."""
@@ -20,8 +33,21 @@ class Proposer(Protocol):
         """Drafts [B, k] (-1 = none) following tokens[b, :lengths[b]], their probs [B, k, V] or None when
         the drafts are deterministic, and the new carry."""
 
+    def observe(self, draft_state: Any, carry: Any, target: TargetPass, tokens: jax.Array, lengths: jax.Array,
+                rows: RowParams) -> Any:
+        """The carry after a target pass whose tokens were committed up to lengths[b] (called after prefill
+        and after each verify)."""
 
-class NoProposer:
+
+class IgnoresTarget:
+    """For proposers that draft without the target's hidden states."""
+    capture_layers: tuple[int, ...] = ()
+
+    def observe(self, draft_state, carry, target, tokens, lengths, rows):
+        return carry
+
+
+class NoProposer(IgnoresTarget):
     """k = 0: the loop is plain autoregressive decoding."""
     k = 0
 

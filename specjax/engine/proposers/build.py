@@ -7,17 +7,19 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from checkpoints_conv import load_checkpoint
+from checkpoints_conv.eagle_loader import EAGLE_HEAD_FILES, load_eagle_head
 from specjax import config as config_lib
 from specjax import parallel
-from specjax.engine.proposers.base import NoProposer, Proposer
+from specjax.engine.proposers.base import IgnoresTarget, NoProposer, Proposer
 from specjax.engine.proposers.draft_model import DraftModelProposer
+from specjax.engine.proposers.eagle import EagleProposer
 from specjax.engine.proposers.ngram import propose_ngram
 from specjax.hub import resolve_model
 from specjax.models.model_config import ModelConfig
 from specjax.models.registry import build_model
 
 
-class NgramProposer:
+class NgramProposer(IgnoresTarget):
     """Prompt lookup: stateless, drafts from the row's own committed tokens (q one-hot)."""
 
     def __init__(self, k: int, min_n: int, max_n: int):
@@ -31,8 +33,10 @@ class NgramProposer:
 
 
 def build_proposer(spec: "config_lib.SpeculativeConfig | None", target_cfg: ModelConfig, dtype,
-                   *, attention_impl: str = "auto", mesh: Mesh | None = None) -> tuple[Proposer, Any]:
-    """mesh: the target's tensor-parallel mesh; a draft model is placed on it (replicated when
+                   *, attention_impl: str = "auto", target_params: Any = None,
+                   mesh: Mesh | None = None) -> tuple[Proposer, Any]:
+    """target_params: the target's param tree; EAGLE heads share its embedding / lm_head where they lack one.
+    mesh: the target's tensor-parallel mesh; a draft model is placed on it (replicated when
     draft_tensor_parallel_size is 1, split like the target when equal)."""
     if spec is None:
         return NoProposer(), None
@@ -51,5 +55,14 @@ def build_proposer(spec: "config_lib.SpeculativeConfig | None", target_cfg: Mode
         if mesh is not None and spec.draft_tensor_parallel_size == 1:
             proposer = parallel.Replicated(proposer)
         return proposer, state
+    if spec.method in ("eagle", "eagle3"):
+        if mesh is not None:
+            raise NotImplementedError(f"speculative method {spec.method!r} does not run with tensor parallelism "
+                                      "yet; use tensor_parallel_size=1")
+        path = resolve_model(spec.model, revision=spec.revision, allow_patterns=EAGLE_HEAD_FILES)
+        head = load_eagle_head(path, spec.method, target_cfg, target_params, dtype, attention_impl=attention_impl)
+        graph, state = nnx.split(head)
+        return EagleProposer(graph, head, spec.num_speculative_tokens,
+                             probabilistic=spec.draft_sample_method == "probabilistic"), state
     raise NotImplementedError(f"speculative method {spec.method!r} has no proposer yet; "
                               f"available: {sorted(config_lib.IMPLEMENTED_METHODS)}")

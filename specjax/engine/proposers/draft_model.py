@@ -11,11 +11,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.engine import sampling
+from specjax.engine.proposers.base import IgnoresTarget
 from specjax.engine.state import RowParams
 from specjax.models.kv_cache import KVCache, init_cache
 
 
-class DraftModelProposer:
+class DraftModelProposer(IgnoresTarget):
     def __init__(self, draft_graph: nnx.GraphDef, k: int, probabilistic: bool):
         self.draft_graph = draft_graph
         self.k = k

@@ -1,0 +1,94 @@
+"""eagle / eagle3: a small head drafts k tokens from the target's hidden states, with its own KV cache.
+
+At position p the head reads the token at p+1 (input ids shifted left by one, as in vLLM) with the target's
+hidden state at p. `observe` runs after each target pass over the T positions it covered: the committed
+ones write valid head KV (the rest is garbage beyond the committed length, overwritten later, as in the
+target's cache) and the last committed one yields the first draft and the head's hidden state. `propose`
+then runs k - 1 single-token steps, each fed the previous draft and the head's own hidden state.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.engine import sampling
+from specjax.engine.proposers.base import TargetPass
+from specjax.engine.state import RowParams
+from specjax.models.eagle import EagleHead
+from specjax.models.kv_cache import KVCache, cache_bytes, init_cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class EagleCarry:
+    cache: KVCache               # the head's KV, valid for positions < lengths - 1
+    first: jax.Array             # i32 [B] the first draft of the next step
+    first_probs: jax.Array       # f32 [B, V] its draft distribution ([B, 0] when drafting greedily)
+    hidden: jax.Array            # [B, H] the head's hidden state at position lengths - 2, fed back with `first`
+
+
+class EagleProposer:
+    def __init__(self, head_graph: nnx.GraphDef, head: EagleHead, k: int, probabilistic: bool):
+        self.head_graph = head_graph
+        self.cfg = head.cfg
+        self.k = k
+        self.probabilistic = probabilistic
+        self.capture_layers = self.cfg.aux_layer_ids if self.cfg.method == "eagle3" else ()
+        self.dtype = head.fc[...].dtype
+
+    def init(self, draft_state, prompt_tokens: jax.Array, prompt_lengths: jax.Array, cache_len: int) -> EagleCarry:
+        B = prompt_tokens.shape[0]
+        vocab = self.cfg.layers.vocab_size if self.probabilistic else 0
+        return EagleCarry(cache=init_cache(self.cfg.layers, B, cache_len, self.dtype),
+                          first=jnp.zeros((B,), jnp.int32), first_probs=jnp.zeros((B, vocab), jnp.float32),
+                          hidden=jnp.zeros((B, self.cfg.hidden_size), self.dtype))
+
+    def cache_bytes(self, batch: int, max_len: int) -> int:
+        return cache_bytes(self.cfg.layers, batch, max_len, self.dtype)
+
+    def observe(self, draft_state, carry: EagleCarry, target: TargetPass, tokens: jax.Array, lengths: jax.Array,
+                rows: RowParams) -> EagleCarry:
+        head = nnx.merge(self.head_graph, draft_state)
+        features = head.combine(target.captured if self.cfg.method == "eagle3" else target.hidden)
+        B, T = features.shape[:2]
+        # The token after each position (input ids shifted left by one); past the committed end it is garbage.
+        after = jnp.minimum(target.start[:, None] + 1 + jnp.arange(T)[None, :], tokens.shape[1] - 1)
+        next_tokens = jnp.take_along_axis(tokens, after, axis=1)
+        out, feed, cache = head(next_tokens, features.astype(carry.hidden.dtype), target.start, carry.cache)
+        last = jnp.clip(lengths - target.start - 2, 0, T - 1)  # the last committed position of this pass
+        rows_idx = jnp.arange(B)
+        first, probs = self._choose(head, out[rows_idx, last], rows, lengths)
+        return EagleCarry(cache=cache, first=first, first_probs=probs, hidden=feed[rows_idx, last])
+
+    def propose(self, draft_state, carry: EagleCarry, tokens: jax.Array, lengths: jax.Array, rows: RowParams):
+        head = nnx.merge(self.head_graph, draft_state)
+
+        def draft_step(state, i):
+            token, hidden, cache = state
+            # The head at position lengths-1+i reads the draft at lengths+i and predicts lengths+i+1.
+            out, feed, cache = head(token[:, None], hidden[:, None], lengths - 1 + i, cache)
+            nxt, probs = self._choose(head, out[:, 0], rows, lengths + i + 1)
+            return (nxt, feed[:, 0], cache), (nxt, probs)
+
+        (_, _, cache), (rest, rest_probs) = jax.lax.scan(
+            draft_step, (carry.first, carry.hidden, carry.cache), jnp.arange(self.k - 1, dtype=jnp.int32))
+        drafts = jnp.concatenate([carry.first[:, None], rest.T], axis=1)
+        carry = dataclasses.replace(carry, cache=cache)
+        if not self.probabilistic:
+            return drafts, None, carry
+        probs = jnp.concatenate([carry.first_probs[:, None], jnp.swapaxes(rest_probs, 0, 1)], axis=1)
+        return drafts, probs, carry
+
+    def _choose(self, head: EagleHead, out: jax.Array, rows: RowParams, position: jax.Array):
+        """Greedy drafting: the argmax of the draft vocabulary mapped to a target id (q one-hot, no probs
+        kept). Probabilistic: a draw from the head's processed distribution q over the target vocabulary."""
+        if not self.probabilistic:
+            token = head.to_target_ids(jnp.argmax(head.logits(out), axis=-1).astype(jnp.int32))
+            return token, jnp.zeros((out.shape[0], 0), jnp.float32)
+        q = sampling.processed_probs(head.target_logits(out), rows.temperature, rows.top_k, rows.top_p,
+                                     rows.min_p)
+        token = sampling.sample_from_probs(q, sampling.row_key(rows.seed, position, sampling.DRAFT))
+        return token, q
