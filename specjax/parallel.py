@@ -177,11 +177,6 @@ def shard_state(state: Any, cfg: ModelConfig, mesh: Mesh, *, replicated: bool = 
     return jax.tree_util.tree_map_with_path(place, state)
 
 
-def cache_sharding(num_kv_heads: int, mesh: Mesh) -> NamedSharding:
-    """The KV cache [L, B, Hkv, S, D]: rows over "data", kv heads over "model" (replicated when fewer)."""
-    return NamedSharding(mesh, P(None, DATA_AXIS, _kv_heads_axis(num_kv_heads, mesh)))
-
-
 def cache_shards(cfg: ModelConfig, tensor_parallel_size: int) -> int:
     """How many ways one replica's KV cache is split (the per-device share of cache_bytes)."""
     return tensor_parallel_size if shards_kv_heads(cfg.num_kv_heads, tensor_parallel_size) else 1
@@ -217,8 +212,9 @@ def sharded_generate(generate: Callable, mesh: Mesh) -> Callable:
 
 def gather_vocab(logits: jax.Array) -> jax.Array:
     """Vocabulary-parallel logits [..., V] gathered whole onto every device (unchanged unless traced under
-    a tensor-parallel layout). Sampling and verification then run without collectives; left to itself, XLA
-    gives each vocabulary reduction its own small all-reduce, or gathers the tied embedding instead."""
+    a tensor-parallel layout). Sampling and verification then run without collectives. Otherwise XLA gives
+    each vocabulary reduction its own small all-reduce; and pinning only the whole result makes it gather
+    the (tied) embedding matrix instead of the logits, hence the vocab-split pin first."""
     layout = current_layout()
     if layout is None or layout.head_axis is None or layout.mesh.shape[layout.head_axis] == 1:
         return logits

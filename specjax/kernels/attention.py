@@ -73,8 +73,9 @@ def _runner(chosen: Literal["reference", "triton"], scale: float, interpret: boo
 
 
 def _per_shard(run, layout: Layout, q, k_cache, v_cache, layer, start) -> jax.Array:
-    """`run` on each device's heads under shard_map. With fewer kv heads than head shards the
-    cache is replicated and each shard's q heads all belong to one kv head, which it picks out."""
+    """`run` on each device's heads under shard_map (head_axis None: every device runs every head). With
+    fewer kv heads than head shards the cache is replicated and each shard's q heads all belong to one kv
+    head, which it slices out of this layer (a [B, S, D] copy per K and V that the split case avoids)."""
     mesh, head_axis = layout.mesh, layout.head_axis
     shards = mesh.shape[head_axis] if head_axis else 1
     num_q_heads, num_kv_heads = q.shape[2], k_cache.shape[2]
