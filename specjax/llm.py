@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
+from transformers import GenerationConfig
 
 from checkpoints_conv import load_checkpoint
 from checkpoints_conv.safetensors_loader import resolve_dtype
@@ -48,6 +49,7 @@ class LLM:
         path = resolve_model(model, revision=revision)
         self.model_config = ModelConfig.from_dir(path)
         self.tokenizer = load_tokenizer(tokenizer or path, trust_remote_code=trust_remote_code)
+        self._default_sampling_params = _generation_config_defaults(path)
         self.max_model_len = _max_model_len(max_model_len, self.model_config)
         self.speculative_config = config_lib.SpeculativeConfig.from_dict(
             speculative_config, target_max_model_len=self.max_model_len,
@@ -74,11 +76,18 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate/chat use when given no SamplingParams: vLLM's defaults, overridden by the sampling
+        settings of the model's generation_config.json (as vLLM does)."""
+        return SamplingParams(**self._default_sampling_params)
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for a prompt or a list of prompts (strings or {"prompt_token_ids": [...]} / {"prompt": ...})."""
         prompt_list = _as_prompt_list(prompts)
         token_lists = [self._tokenize(p) for p in prompt_list]
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _params_per_prompt(sampling_params, len(prompt_list))
         for i, ids in enumerate(token_lists):
             self._check_prompt(i, ids)
@@ -223,14 +232,26 @@ def _as_prompt_list(prompts) -> list:
 
 
 def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * n
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * n
     params = list(sampling_params)
     if len(params) != n:
         raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts: pass one, or one per prompt")
     return params
+
+
+# generation_config.json field -> SamplingParams field, the ones vLLM takes over as defaults.
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                        "max_new_tokens": "max_tokens"}
+
+
+def _generation_config_defaults(model_dir) -> dict:
+    """The sampling settings a model's generation_config.json sets explicitly (none when it has no file)."""
+    try:
+        explicit = GenerationConfig.from_pretrained(model_dir).to_diff_dict()
+    except OSError:
+        return {}
+    return {ours: explicit[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if theirs in explicit}
 
 
 def _prompt_text(prompt) -> str | None:

@@ -228,3 +228,16 @@ def test_a_converted_orbax_checkpoint_generates_like_its_source(default_model_di
     expected = LLM(str(hf_dir), max_num_seqs=1).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     got = LLM(str(orbax_dir), max_num_seqs=1).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     assert got == expected and len(got) == 12
+
+
+def test_generation_config_sampling_defaults_apply_without_sampling_params(default_model_dir, tmp_path):
+    model_dir = tmp_path / "model"
+    shutil.copytree(default_model_dir, model_dir)
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0, "max_new_tokens": 5}))
+    llm = LLM(str(model_dir), max_model_len=128, max_num_seqs=1)
+    assert llm.get_default_sampling_params().temperature == 0.0
+    out = llm.generate(PROMPTS[0], use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 5
+    assert out.token_ids == llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5),
+                                         use_tqdm=False)[0].outputs[0].token_ids
