@@ -1,0 +1,1 @@
+"""Training EAGLE-3 draft heads in JAX: `python -m specjax.training --help`."""

@@ -1,0 +1,129 @@
+"""Train an EAGLE-3 head for a target from prompts, end to end:
+
+prompts -> held-out split -> the target's greedy responses and hidden states (recorded by the real engine
+loop) -> draft vocabulary -> TTT training (optax) -> the head saved in the published EAGLE-3 layout ->
+acceptance length on the held-out prompts with the real loop. The recording lives in `work_dir/features`
+and resumes where an interrupted run stopped; progress bars and a JSON-lines log (work_dir/log.jsonl: loss
+and per-step accuracy every log_every steps, acceptance at each evaluation).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from checkpoints_conv.eagle_writer import save_eagle3_head
+from specjax.models.eagle import default_aux_layer_ids
+from specjax.training import data as data_lib
+from specjax.training.evaluate import acceptance
+from specjax.training.features import FeatureWriter, open_features
+from specjax.training.record import record
+from specjax.training.trainer import TrainConfig, Trainer, batches, new_head
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    target: str                       # model directory / Hub id / None-equivalent default model name
+    prompts: str                      # JSON lines with `question` (GSM8K) or `prompt`
+    out_dir: str                      # the trained head, in the published EAGLE-3 layout
+    work_dir: str                     # responses, captured features, log
+    num_train: int = 2000
+    num_heldout: int = 200
+    num_eval: int = 100               # held-out prompts used to measure acceptance
+    max_new_tokens: int = 256
+    max_model_len: int = 1024
+    generate_batch: int = 32
+    draft_vocab_size: int = 8192
+    steps: int = 2000
+    learning_rate: float = 5e-4
+    warmup_steps: int = 50
+    ttt_steps: int = 3
+    tokens_per_batch: int = 4096
+    k: int = 3
+    eval_every: int = 0               # 0: evaluate at the end only
+    log_every: int = 10
+    save_dtype: str = "float16"
+    seed: int = 0
+
+
+def run(cfg: PipelineConfig) -> dict:
+    from specjax import LLM
+
+    work, out = Path(cfg.work_dir), Path(cfg.out_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    log = _Log(work / "log.jsonl")
+    llm = LLM(cfg.target, max_model_len=cfg.max_model_len, max_num_seqs=cfg.generate_batch)
+    tokenizer = llm.get_tokenizer()
+    train_q, held_q = data_lib.split_heldout(data_lib.load_questions(cfg.prompts), cfg.num_heldout, cfg.seed)
+    train_ids = data_lib.chat_prompt_ids(tokenizer, train_q[:cfg.num_train])
+    eval_ids = data_lib.chat_prompt_ids(tokenizer, held_q[:cfg.num_eval])
+    target_cfg = llm.model_config
+    aux_ids = default_aux_layer_ids(target_cfg.num_layers)
+    capacity = sum(len(p) for p in train_ids) + len(train_ids) * cfg.max_new_tokens
+    writer = FeatureWriter(work / "features", capacity, target_cfg.hidden_size, aux_ids)
+    record(llm, train_ids, cfg.max_new_tokens, aux_ids, writer, cfg.generate_batch)
+    store = open_features(work / "features")
+    responses = store.response_tokens()
+    draft_ids = data_lib.draft_vocabulary(responses, store.tokens, target_cfg.vocab_size, cfg.draft_vocab_size)
+    log.write(stage="data", examples=store.num_examples, tokens=int(store.offsets[-1]),
+              response_tokens=len(responses), draft_vocab_coverage=float(np.isin(responses, draft_ids).mean()))
+
+    head = new_head(target_cfg, llm.params, draft_ids, aux_ids, seed=cfg.seed)
+    trainer = Trainer(head, target_cfg, llm.params, TrainConfig(
+        total_steps=cfg.steps, learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+        ttt_steps=cfg.ttt_steps, tokens_per_batch=cfg.tokens_per_batch, seed=cfg.seed))
+    del llm
+    target_config = json.loads((Path(_target_dir(cfg.target)) / "config.json").read_text())
+    result = _train(cfg, trainer, store, log, out, target_config, eval_ids)
+    (out / "training.json").write_text(json.dumps({"config": dataclasses.asdict(cfg), **result}, indent=2) + "\n")
+    return result
+
+
+def _train(cfg: PipelineConfig, trainer: Trainer, store, log: "_Log", out: Path, target_config: dict,
+           eval_ids: list[list[int]]) -> dict:
+    rng = np.random.default_rng(cfg.seed)
+    stream = _endless(store, cfg.tokens_per_batch, rng)
+    running: dict[str, float] = {}
+    evaluation: dict = {}
+    started = time.time()
+    with tqdm(total=cfg.steps, desc="training EAGLE-3 head") as bar:
+        for step in range(1, cfg.steps + 1):
+            metrics = trainer.step(next(stream))
+            running = {k: 0.9 * running.get(k, v) + 0.1 * v for k, v in metrics.items()}
+            bar.set_postfix(loss=f"{running['loss']:.3f}", acc0=f"{running['acc_0']:.2f}")
+            bar.update()
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                log.write(stage="train", step=step, seconds=round(time.time() - started, 1), **metrics)
+            if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+                save_eagle3_head(trainer.head(), out, target_config, cfg.save_dtype)
+                evaluation = acceptance(cfg.target, out, eval_ids, k=cfg.k, max_new_tokens=cfg.max_new_tokens,
+                                        max_model_len=cfg.max_model_len, max_num_seqs=cfg.generate_batch)
+                log.write(stage="eval", step=step, **evaluation)
+                tqdm.write(f"step {step}: acceptance length {evaluation['acceptance_length']:.3f} at k={cfg.k} "
+                           f"on {len(eval_ids)} held-out prompts")
+    return {"steps": cfg.steps, "final_metrics": running, "evaluation": evaluation}
+
+
+def _endless(store, tokens_per_batch: int, rng: np.random.Generator):
+    indices = np.arange(store.num_examples)
+    while True:
+        yield from batches(store, indices, tokens_per_batch, rng)
+
+
+def _target_dir(target: str) -> Path:
+    from specjax.hub import resolve_model
+
+    return resolve_model(target)
+
+
+class _Log:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def write(self, **record) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")

@@ -1,0 +1,103 @@
+"""The target's own greedy responses and its hidden states, recorded in one go by the real engine loop.
+
+`FeatureRecorder` is a proposer that drafts nothing (k = 0, plain decoding) and asks the loop for the
+residual streams EAGLE-3 reads: its `observe` writes each pass's captured layers and final hidden states
+into buffers in its carry at the pass's positions (the prefill covers the prompt, each decode step the last
+committed token). So training data costs one generation, with no second pass over the conversations.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from specjax.engine.loop import LoopSpec, build_generate
+from specjax.engine.proposers.base import TargetPass
+from specjax.engine.runner import bucket
+from specjax.engine.state import RowParams
+from specjax.training.features import FeatureWriter
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Recording:
+    aux: jax.Array     # f16 [B, S, n*H]
+    final: jax.Array   # f16 [B, S, H]
+
+
+class FeatureRecorder:
+    k = 0
+
+    def __init__(self, aux_layer_ids: Sequence[int], hidden_size: int):
+        self.capture_layers = tuple(aux_layer_ids)
+        self.hidden_size = hidden_size
+
+    def init(self, draft_state, prompt_tokens: jax.Array, prompt_lengths: jax.Array, cache_len: int) -> Recording:
+        B, H = prompt_tokens.shape[0], self.hidden_size
+        return Recording(jnp.zeros((B, cache_len, len(self.capture_layers) * H), jnp.float16),
+                         jnp.zeros((B, cache_len, H), jnp.float16))
+
+    def propose(self, draft_state, carry, tokens, lengths, rows):
+        return jnp.zeros((tokens.shape[0], 0), jnp.int32), None, carry
+
+    def observe(self, draft_state, carry: Recording, target: TargetPass, tokens, lengths, rows) -> Recording:
+        aux, final = carry.aux, carry.final
+        captured = jnp.clip(target.captured, -65504.0, 65504.0).astype(jnp.float16)
+        hidden = target.hidden.astype(jnp.float16)
+        for b in range(tokens.shape[0]):   # one in-place update per row, as the KV cache writes
+            aux = jax.lax.dynamic_update_slice(aux, captured[b][None], (b, target.start[b], 0))
+            final = jax.lax.dynamic_update_slice(final, hidden[b][None], (b, target.start[b], 0))
+        return Recording(aux, final)
+
+
+def record(llm: Any, prompt_ids: Sequence[list[int]], max_new_tokens: int, aux_layer_ids: Sequence[int],
+           writer: FeatureWriter, batch: int = 32) -> None:
+    """Greedy responses to prompt_ids[writer.num_examples:] (earlier ones were recorded by a previous run),
+    appended with their hidden states to `writer`, flushed after each wave."""
+    cfg = llm.model_config
+    recorder = FeatureRecorder(aux_layer_ids, cfg.hidden_size)
+    spec = LoopSpec(k=0, n_top=0, max_model_len=llm.max_model_len)
+    generate = jax.jit(build_generate(llm.target_graph, recorder, spec), static_argnums=5)
+    stop_ids = sorted({*cfg.eos_token_ids, llm.get_tokenizer().eos_token_id} - {None}) or [-1]
+    with tqdm(total=len(prompt_ids), initial=writer.num_examples, desc="target responses + hidden states") as bar:
+        for begin in range(writer.num_examples, len(prompt_ids), batch):
+            wave = prompt_ids[begin:begin + batch]
+            prompts, lengths, cache_len = _pack(wave, batch, max_new_tokens, llm.max_model_len)
+            state = generate(llm.params, None, prompts, lengths, _greedy_rows(batch, len(wave), max_new_tokens,
+                                                                                stop_ids), cache_len)
+            state = jax.device_get(state)
+            for row, prompt in enumerate(wave):
+                end = int(state.lengths[row])
+                # Features exist for every position but the last committed token (never run through the target).
+                aux = np.concatenate([state.proposer.aux[row, :end - 1], np.zeros_like(state.proposer.aux[row, :1])])
+                final = np.concatenate([state.proposer.final[row, :end - 1],
+                                        np.zeros_like(state.proposer.final[row, :1])])
+                writer.append(state.tokens[row, :end], len(prompt), aux, final)
+            writer.flush()
+            bar.update(len(wave))
+
+
+def _pack(wave: Sequence[list[int]], batch: int, max_new_tokens: int, max_model_len: int):
+    longest = max(len(p) for p in wave)
+    P = bucket(longest, 16)
+    prompts = np.zeros((batch, P), np.int32)
+    lengths = np.ones((batch,), np.int32)
+    for row, p in enumerate(wave):
+        prompts[row, :len(p)] = p
+        lengths[row] = len(p)
+    cache_len = min(bucket(longest + max_new_tokens), max_model_len) + 1
+    return jnp.asarray(prompts), jnp.asarray(lengths), cache_len
+
+
+def _greedy_rows(batch: int, used: int, max_new_tokens: int, stop_ids: list[int]) -> RowParams:
+    """Greedy rows; padding rows (beyond `used`) generate nothing."""
+    max_tokens = np.zeros((batch,), np.int32)
+    max_tokens[:used] = max_new_tokens
+    return RowParams(temperature=jnp.zeros((batch,)), top_k=jnp.zeros((batch,), jnp.int32),
+                     top_p=jnp.ones((batch,)), min_p=jnp.zeros((batch,)), seed=jnp.zeros((batch,), jnp.uint32),
+                     max_tokens=jnp.asarray(max_tokens), min_tokens=jnp.zeros((batch,), jnp.int32),
+                     stop_ids=jnp.asarray([stop_ids] * batch, jnp.int32))
