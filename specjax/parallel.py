@@ -177,6 +177,16 @@ def shard_state(state: Any, cfg: ModelConfig, mesh: Mesh, *, replicated: bool = 
     return jax.tree_util.tree_map_with_path(place, state)
 
 
+def replicate_onto(state: Any, mesh: Mesh) -> Any:
+    """Leaves not yet on `mesh` copied whole onto each of its devices; those already on it (weights shared
+    with the target) kept as they are."""
+    def place(leaf):
+        on_mesh = isinstance(leaf.sharding, NamedSharding) and leaf.sharding.mesh == mesh
+        return leaf if on_mesh else jax.device_put(leaf, NamedSharding(mesh, P()))
+
+    return jax.tree.map(place, state)
+
+
 def cache_shards(cfg: ModelConfig, tensor_parallel_size: int) -> int:
     """How many ways one replica's KV cache is split (the per-device share of cache_bytes)."""
     return tensor_parallel_size if shards_kv_heads(cfg.num_kv_heads, tensor_parallel_size) else 1

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from eagle_heads import write_head
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -70,8 +71,8 @@ def test_tensor_parallel_suite_on_8_cpu_devices():
                          cwd=HERE.parent.parent, env=env, capture_output=True, text=True, timeout=1200)
     report = run.stdout[-6000:] + run.stderr[-3000:]
     assert run.returncode == 0, report
-    passed = re.search(r"(\d+) passed", run.stdout)
-    assert passed and int(passed.group(1)) >= 20, report
+    counts = dict((kind, int(n)) for n, kind in re.findall(r"(\d+) (passed|skipped|failed|error)", run.stdout))
+    assert counts.get("passed", 0) >= 40 and counts.get("skipped") == 1, report  # only this driver skips there
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
@@ -108,11 +109,22 @@ def draft_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def build(target_dir, draft_dir, default_model_dir):
+def eagle_dirs(target_dir, tmp_path_factory):
+    """An EAGLE-1 head and an EAGLE-3 head (reduced draft vocabulary, d2t) for the target."""
+    config = json.loads((target_dir / "config.json").read_text())
+    eagle = write_head(tmp_path_factory.mktemp("tp_eagle"), config, "eagle1_yuhuili", scale=0.3)
+    eagle3 = write_head(tmp_path_factory.mktemp("tp_eagle3"), config, "eagle3_speculators", scale=0.3,
+                        draft_vocab=64, aux_layer_ids=[0, 1, 1])
+    return {"eagle": eagle, "eagle3": eagle3}
+
+
+@pytest.fixture(scope="module")
+def build(target_dir, draft_dir, eagle_dirs, default_model_dir):
     """build(tp, method) -> (LLM, [token ids per prompt]), each built and run once per module."""
     specs = {"none": None, "ngram": NGRAM,
              "draft_tp1": {"model": str(draft_dir), "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1},
-             "draft_tp_same": {"model": str(draft_dir), "num_speculative_tokens": 3}}
+             "draft_tp_same": {"model": str(draft_dir), "num_speculative_tokens": 3},
+             **{m: {"method": m, "model": str(d), "num_speculative_tokens": 3} for m, d in eagle_dirs.items()}}
     made = {}
 
     def make(tp: int, method: str):
@@ -136,9 +148,9 @@ def _accepted(outs):
 
 # ------------------------------------------------------------------------------- outputs equal TP=1
 
-CASES = [(2, "none"), (2, "ngram"), (2, "draft_tp1"), (2, "draft_tp_same"),
-         (4, "none"), (4, "ngram"), (4, "draft_tp1"), (4, "draft_tp_same"),
-         (8, "none"), (8, "ngram"), (8, "draft_tp1")]
+CASES = [(2, "none"), (2, "ngram"), (2, "draft_tp1"), (2, "draft_tp_same"), (2, "eagle"), (2, "eagle3"),
+         (4, "none"), (4, "ngram"), (4, "draft_tp1"), (4, "draft_tp_same"), (4, "eagle"), (4, "eagle3"),
+         (8, "none"), (8, "ngram"), (8, "draft_tp1"), (8, "eagle"), (8, "eagle3")]
 
 
 @needs_8
@@ -149,15 +161,17 @@ def test_greedy_outputs_equal_tp1(build, tp, method):
     assert _tokens(outs) == _tokens(reference)
     assert [len(t) for t in _tokens(outs)] == [GREEDY.max_tokens] * len(PROMPTS)
     if method != "none":  # the same drafts were proposed and accepted
+        assert [o.outputs[0].num_draft_tokens for o in outs] == [o.outputs[0].num_draft_tokens for o in reference]
         assert _accepted(outs) == _accepted(reference)
-        assert sum(_accepted(outs)) > 0
+        if not method.startswith("eagle"):  # random EAGLE heads hardly ever agree with the target
+            assert sum(_accepted(outs)) > 0
 
 
 @needs_8
 def test_plain_and_speculative_agree_at_tp1_too(build):
     """The TP=1 references are themselves lossless, so the comparisons above compare like with like."""
     plain = _tokens(build(1, "none")[1])
-    for method in ("ngram", "draft_tp1"):
+    for method in ("ngram", "draft_tp1", "eagle", "eagle3"):
         assert _tokens(build(1, method)[1]) == plain
 
 
@@ -206,6 +220,20 @@ def test_draft_params_are_replicated_or_split_like_the_target(build, draft_dir, 
     assert {"embed", "layers/bq", "layers/bk", "layers/wo"} <= set(leaves)  # tied, with q/k/v biases
     for path, leaf in leaves.items():
         _check_leaf(path, leaf, tp, cfg, replicated=method == "draft_tp1")
+
+
+@needs_8
+def test_an_eagle_head_is_replicated_and_shares_the_targets_split_lm_head(build):
+    tp = 4
+    llm, _ = build(tp, "eagle")
+    leaves = _leaves(llm.draft_params)
+    assert leaves["lm_head"] is llm.params["lm_head"][...]  # EAGLE-1 uses the target's lm_head, still split
+    assert leaves["embed"] is llm.params["embed"][...]
+    own = {path: leaf for path, leaf in leaves.items() if path not in ("lm_head", "embed")}
+    assert "fc" in own and any(path.endswith("/wq") for path in own)
+    for path, leaf in own.items():
+        assert leaf.sharding.mesh == llm.params["embed"][...].sharding.mesh, path
+        assert all(s.data.shape == leaf.shape for s in leaf.addressable_shards) and len(leaf.addressable_shards) == tp
 
 
 # ---------------------------------------------------------------------------------- KV cache and HLO

@@ -37,7 +37,7 @@ def build_proposer(spec: "config_lib.SpeculativeConfig | None", target_cfg: Mode
                    mesh: Mesh | None = None) -> tuple[Proposer, Any]:
     """target_params: the target's param tree; EAGLE heads share its embedding / lm_head where they lack one.
     mesh: the target's tensor-parallel mesh; a draft model is placed on it (replicated when
-    draft_tensor_parallel_size is 1, split like the target when equal)."""
+    draft_tensor_parallel_size is 1, split like the target when equal), an EAGLE head replicated."""
     if spec is None:
         return NoProposer(), None
     if spec.method == "ngram":
@@ -56,13 +56,15 @@ def build_proposer(spec: "config_lib.SpeculativeConfig | None", target_cfg: Mode
             proposer = parallel.Replicated(proposer)
         return proposer, state
     if spec.method in ("eagle", "eagle3"):
-        if mesh is not None:
-            raise NotImplementedError(f"speculative method {spec.method!r} does not run with tensor parallelism "
-                                      "yet; use tensor_parallel_size=1")
         path = resolve_model(spec.model, revision=spec.revision, allow_patterns=EAGLE_HEAD_FILES)
         head = load_eagle_head(path, spec.method, target_cfg, target_params, dtype, attention_impl=attention_impl)
         graph, state = nnx.split(head)
-        return EagleProposer(graph, head, spec.num_speculative_tokens,
-                             probabilistic=spec.draft_sample_method == "probabilistic"), state
+        proposer = EagleProposer(graph, head, spec.num_speculative_tokens,
+                                 probabilistic=spec.draft_sample_method == "probabilistic")
+        if mesh is None:
+            return proposer, state
+        # One layer: replicated whatever draft_tensor_parallel_size says; the embedding / lm_head it shares
+        # with the target stay split over the vocabulary.
+        return parallel.Replicated(proposer), parallel.replicate_onto(state, mesh)
     raise NotImplementedError(f"speculative method {spec.method!r} has no proposer yet; "
                               f"available: {sorted(config_lib.IMPLEMENTED_METHODS)}")
