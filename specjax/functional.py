@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from specjax.engine.loop import LoopSpec, build_generate
 from specjax.engine.state import RowParams
+from specjax.parallel import sharded_generate
 from specjax.sampling_params import SamplingParams, to_row_arrays
 
 
@@ -27,6 +28,8 @@ def make_generate_fn(llm, sampling_params: SamplingParams) -> Callable:
     k = llm.proposer.k
     spec = LoopSpec(k=k, n_top=0, max_model_len=llm.max_model_len)
     generate = build_generate(llm.target_graph, llm.proposer, spec)
+    if llm.mesh is not None:
+        generate = sharded_generate(generate, llm.mesh)
     arrays = to_row_arrays([sampling_params], llm.model_config.vocab_size)
     stop_ids = llm._runner.row_stop_ids(sampling_params) or [-1]
 

@@ -26,7 +26,7 @@ from eagle_heads import write_head
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from specjax import LLM, SamplingParams, parallel
+from specjax import LLM, SamplingParams, make_generate_fn, parallel
 from specjax.engine.loop import LoopSpec, build_generate
 from specjax.engine.proposers.build import NgramProposer
 from specjax.engine.runner import Request
@@ -165,6 +165,21 @@ def test_greedy_outputs_equal_tp1(build, tp, method):
         assert _accepted(outs) == _accepted(reference)
         if not method.startswith("eagle"):  # random EAGLE heads hardly ever agree with the target
             assert sum(_accepted(outs)) > 0
+
+
+@needs_8
+def test_functional_core_at_tp2_equals_tp1(build):
+    """make_generate_fn on a tensor-parallel LLM runs the sharded loop inside the user's jit."""
+    results = []
+    for tp in (1, 2):
+        llm, _ = build(tp, "ngram")
+        fn = jax.jit(make_generate_fn(llm, GREEDY))
+        width = max(map(len, PROMPTS))
+        tokens = jnp.asarray([p + [0] * (width - len(p)) for p in PROMPTS], jnp.int32)
+        lengths = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
+        out, out_lengths, _ = fn(llm.params, llm.draft_params, tokens, lengths, jax.random.key(0))
+        results.append([np.asarray(out[b, :int(out_lengths[b])]).tolist() for b in range(len(PROMPTS))])
+    assert results[0] == results[1]
 
 
 @needs_8
