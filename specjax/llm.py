@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Sequence
 
 import jax
@@ -216,10 +217,15 @@ def _max_model_len(requested: int | None, cfg: ModelConfig) -> int:
 
 
 def _free_device_bytes() -> int:
+    """Device memory this process has not used yet. Like vLLM, this counts the device's total memory, not what
+    other processes happen to leave free; on CPU the device is host RAM, so that is RAM minus this process's
+    resident size."""
     stats = jax.local_devices()[0].memory_stats() or {}  # this process's own device (jax.distributed)
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # CPU: free host memory
+    page = os.sysconf("SC_PAGE_SIZE")
+    resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return os.sysconf("SC_PHYS_PAGES") * page - resident_pages * page
 
 
 def _as_prompt_list(prompts) -> list:
