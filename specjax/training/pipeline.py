@@ -17,6 +17,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from checkpoints_conv.eagle_writer import save_eagle3_head
+from specjax import LLM
+from specjax.hub import resolve_model
 from specjax.models.eagle import default_aux_layer_ids
 from specjax.training import data as data_lib
 from specjax.training.evaluate import acceptance
@@ -39,7 +41,7 @@ class PipelineConfig:
     generate_batch: int = 32
     draft_vocab_size: int = 8192
     steps: int = 2000
-    learning_rate: float = 5e-4
+    learning_rate: float = 1e-3
     warmup_steps: int = 50
     ttt_steps: int = 3
     tokens_per_batch: int = 4096
@@ -51,8 +53,6 @@ class PipelineConfig:
 
 
 def run(cfg: PipelineConfig) -> dict:
-    from specjax import LLM
-
     work, out = Path(cfg.work_dir), Path(cfg.out_dir)
     work.mkdir(parents=True, exist_ok=True)
     log = _Log(work / "log.jsonl")
@@ -75,9 +75,9 @@ def run(cfg: PipelineConfig) -> dict:
     head = new_head(target_cfg, llm.params, draft_ids, aux_ids, seed=cfg.seed)
     trainer = Trainer(head, target_cfg, llm.params, TrainConfig(
         total_steps=cfg.steps, learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-        ttt_steps=cfg.ttt_steps, tokens_per_batch=cfg.tokens_per_batch, seed=cfg.seed))
+        ttt_steps=cfg.ttt_steps))
     del llm
-    target_config = json.loads((Path(_target_dir(cfg.target)) / "config.json").read_text())
+    target_config = json.loads((resolve_model(cfg.target) / "config.json").read_text())
     result = _train(cfg, trainer, store, log, out, target_config, eval_ids)
     (out / "training.json").write_text(json.dumps({"config": dataclasses.asdict(cfg), **result}, indent=2) + "\n")
     return result
@@ -112,12 +112,6 @@ def _endless(store, tokens_per_batch: int, rng: np.random.Generator):
     indices = np.arange(store.num_examples)
     while True:
         yield from batches(store, indices, tokens_per_batch, rng)
-
-
-def _target_dir(target: str) -> Path:
-    from specjax.hub import resolve_model
-
-    return resolve_model(target)
 
 
 class _Log:

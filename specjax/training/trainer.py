@@ -28,14 +28,12 @@ from specjax.training.features import FeatureStore, bucket_length
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     total_steps: int
-    learning_rate: float = 5e-4
+    learning_rate: float = 1e-3
     warmup_steps: int = 50
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     ttt_steps: int = 3
     step_decay: float = 0.8
-    tokens_per_batch: int = 4096
-    seed: int = 0
 
 
 @dataclasses.dataclass
@@ -178,8 +176,8 @@ def _ttt_attention(keys: dict[int, list], step: int, head_dim: int):
     return attend
 
 
-def batches(store: FeatureStore, examples: np.ndarray, tokens_per_batch: int, rng: np.random.Generator,
-            ) -> Iterator[Batch]:
+def batches(store: FeatureStore, examples: np.ndarray, tokens_per_batch: int,
+            rng: np.random.Generator) -> Iterator[Batch]:
     """One pass over `examples` (indices into the store) in random order, grouped by similar length so a
     batch of about tokens_per_batch padded tokens wastes little on padding."""
     order = rng.permutation(examples)
