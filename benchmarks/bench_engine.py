@@ -66,10 +66,15 @@ def rows_params(B, max_tokens, seed=0):
                      min_tokens=jnp.zeros((B,), jnp.int32), stop_ids=jnp.full((B, 1), -1, jnp.int32))
 
 
-def run_generate(graph, state, proposer, draft_state, B, prompt_len, new_tokens, rates=None):
-    """(compile+first-call seconds, steady seconds, steps) for one wave of B prompts."""
-    gen = jax.jit(build_generate(graph, proposer, LoopSpec(k=proposer.k, n_top=0, max_model_len=8192)),
-                  static_argnums=5)
+def generate_fn(graph, proposer):
+    return jax.jit(build_generate(graph, proposer, LoopSpec(k=proposer.k, n_top=0, max_model_len=8192)),
+                   static_argnums=5)
+
+
+def run_generate(graph, state, proposer, draft_state, B, prompt_len, new_tokens, rates=None, gen=None):
+    """(compile+first-call seconds, steady seconds, steps) for one wave of B prompts. Pass `gen` (from
+    generate_fn) to reuse one compilation across calls of the same shapes (rates are a traced argument)."""
+    gen = gen or generate_fn(graph, proposer)
     prompts = jax.random.randint(jax.random.key(1), (B, prompt_len), 0, 500, jnp.int32)
     lengths = jnp.full((B,), prompt_len, jnp.int32)
     rows = rows_params(B, new_tokens)
@@ -115,15 +120,17 @@ def spec_suite(cfg, dcfg, graph, state, dgraph, dstate, batches=(1, 8), ks=(3, 5
             t_verify = _step_time(tstep, cfg, state, B, k + 1, prompt_len + new_tokens // 2)
             t_draft = _step_time(dstep, dcfg, dstate, B, 1, prompt_len + new_tokens // 2)
             proposer = DraftModelProposer(dgraph, k, probabilistic=False)
+            gen = generate_fn(graph, proposer)
             for al in (1.5, 2.5, 3.5):
                 _, t, steps = run_generate(graph, state, proposer, dstate, B, prompt_len, new_tokens,
-                                           conditional_rates(al, k))
+                                           conditional_rates(al, k), gen)
                 measured_al = (new_tokens - 1) / max(steps, 1)
                 ideal = B * measured_al / (t_verify + k * t_draft)
                 rows.append(dict(batch=B, k=k, al=al, measured_al=measured_al, tok_s=B * new_tokens / t,
                                  plain_tok_s=B * new_tokens / plain, speedup=plain / t, ideal_tok_s=ideal,
                                  frac_of_ideal=(B * new_tokens / t) / ideal,
                                  verify_ms=1e3 * t_verify, draft_ms=1e3 * t_draft))
+                print({key: round(v, 3) if isinstance(v, float) else v for key, v in rows[-1].items()}, flush=True)
     return rows
 
 

@@ -45,13 +45,14 @@ class FeatureRecorder:
         return jnp.zeros((tokens.shape[0], 0), jnp.int32), None, carry
 
     def observe(self, draft_state, carry: Recording, target: TargetPass, tokens, lengths, rows) -> Recording:
-        aux, final = carry.aux, carry.final
         captured = jnp.clip(target.captured, -65504.0, 65504.0).astype(jnp.float16)
-        hidden = target.hidden.astype(jnp.float16)
-        for b in range(tokens.shape[0]):   # one in-place update per row, as the KV cache writes
-            aux = jax.lax.dynamic_update_slice(aux, captured[b][None], (b, target.start[b], 0))
-            final = jax.lax.dynamic_update_slice(final, hidden[b][None], (b, target.start[b], 0))
-        return Recording(aux, final)
+        return Recording(_write_rows(carry.aux, captured, target.start),
+                         _write_rows(carry.final, target.hidden.astype(jnp.float16), target.start))
+
+
+# Each row's pass lands at its own start position: one batched in-place update (a scatter), so the compiled
+# loop does not grow with the batch.
+_write_rows = jax.vmap(lambda buffer, values, start: jax.lax.dynamic_update_slice(buffer, values, (start, 0)))
 
 
 def record(llm: Any, prompt_ids: Sequence[list[int]], max_new_tokens: int, aux_layer_ids: Sequence[int],
