@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks.common import (LLAMA31_8B, LLAMA32_1B, copy_bandwidth, kv_bytes_per_token, matmul_flops,
                                median_time, print_table, weight_bytes, write_json)
@@ -24,18 +25,23 @@ from specjax.engine.proposers.draft_model import DraftModelProposer
 from specjax.engine.state import RowParams
 from specjax.models.kv_cache import init_cache
 from specjax.models.registry import random_model
+from specjax.parallel import MODEL_AXIS, Layout, gather_vocab, shards_kv_heads, traced_with
 
 
 def model_state(cfg, impl, seed=0):
     return nnx.split(random_model(cfg, dtype=jnp.bfloat16, seed=seed, attention_impl=impl))
 
 
-def step_fn(graph):
+def step_fn(graph, mesh=None):
+    """One jitted target pass -> whole logits; under `mesh`, tensor-parallel over its "model" axis."""
+    layout = None if mesh is None else Layout(mesh, head_axis=MODEL_AXIS)
+
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(state, cache, tokens, start):
-        model = nnx.merge(graph, state)
-        hidden, cache, _ = model(tokens, start, cache)
-        return model.logits(hidden), cache
+        with traced_with(layout):
+            model = nnx.merge(graph, state)
+            hidden, cache, _ = model(tokens, start, cache)
+            return gather_vocab(model.logits(hidden)), cache
     return step
 
 
@@ -134,8 +140,12 @@ def spec_suite(cfg, dcfg, graph, state, dgraph, dstate, batches=(1, 8), ks=(3, 5
     return rows
 
 
-def _step_time(step, cfg, state, B, T, context):
-    holder = [init_cache(cfg, B, context + 16, jnp.bfloat16)]
+def _step_time(step, cfg, state, B, T, context, mesh=None):
+    cache = init_cache(cfg, B, context + 16, jnp.bfloat16)
+    if mesh is not None:
+        heads = MODEL_AXIS if shards_kv_heads(cfg.num_kv_heads, mesh.shape[MODEL_AXIS]) else None
+        cache = jax.device_put(cache, NamedSharding(mesh, P(None, None, heads)))
+    holder = [cache]
     tokens, start = jnp.ones((B, T), jnp.int32), jnp.full((B,), context, jnp.int32)
 
     def run():
