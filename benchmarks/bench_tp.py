@@ -26,14 +26,20 @@ from specjax.engine.proposers.base import NoProposer
 from specjax.engine.proposers.draft_model import DraftModelProposer
 
 
-def all_reduce_time(mesh, B: int, hidden: int) -> float:
-    """Seconds of one all-reduce of the [B, 1, hidden] f32 activations a decode step reduces after o and down
-    (XLA reduces in f32 here: see the compiled HLO in tests/test_parallel.py)."""
+def all_reduce_time(mesh, B: int, hidden: int, n: int = 64) -> float:
+    """Seconds per all-reduce of the [B, 1, hidden] f32 activations a decode step reduces after o and down
+    (XLA reduces in f32 here: see the compiled HLO in tests/test_parallel.py), inside one program: chains of
+    n and 2n dependent all-reduces are timed and the difference divided by n, so launch cost cancels."""
     x = jax.device_put(jnp.ones((mesh.shape[parallel.MODEL_AXIS], B, 1, hidden), jnp.float32),
                        NamedSharding(mesh, P(parallel.MODEL_AXIS)))
-    reduce = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, parallel.MODEL_AXIS), mesh=mesh,
-                                   in_specs=P(parallel.MODEL_AXIS), out_specs=P(parallel.MODEL_AXIS)))
-    return median_time(lambda: reduce(x), repeats=50)
+
+    def chain(count):
+        body = lambda _, a: jax.lax.psum(a, parallel.MODEL_AXIS) * 0.5
+        return jax.jit(jax.shard_map(lambda a: jax.lax.fori_loop(0, count, body, a), mesh=mesh,
+                                     in_specs=P(parallel.MODEL_AXIS), out_specs=P(parallel.MODEL_AXIS), check_vma=False))
+
+    short, long = chain(n), chain(2 * n)
+    return (median_time(lambda: long(x), repeats=20) - median_time(lambda: short(x), repeats=20)) / n
 
 
 def generate_fn(graph, proposer, mesh):
