@@ -1,7 +1,8 @@
 """Decode/verify step time against the bandwidth roofline, and end-to-end generation with and without
-speculation (synthetic acceptance), for a Llama-3.1-8B-shaped model with random bf16 weights.
+speculation (synthetic acceptance; a Llama-3.2-1B-shaped draft model, or an EAGLE-3-shaped head), for a
+Llama-3.1-8B-shaped model with random bf16 weights.
 
-    PYTHONPATH=. python benchmarks/bench_engine.py [--suites step,e2e,spec] [--impl auto|reference]
+    PYTHONPATH=. python benchmarks/bench_engine.py [--suites step,e2e,spec,eagle] [--impl auto|reference]
 
 Writes $OUT/bench_engine_<suite>.json and prints a table per suite.
 """
@@ -22,10 +23,13 @@ from benchmarks.common import (LLAMA31_8B, LLAMA32_1B, copy_bandwidth, kv_bytes_
 from specjax.engine.loop import LoopSpec, build_generate
 from specjax.engine.proposers.base import NoProposer
 from specjax.engine.proposers.draft_model import DraftModelProposer
+from specjax.engine.proposers.eagle import EagleProposer
 from specjax.engine.state import RowParams
 from specjax.models.kv_cache import init_cache
+from specjax.models.eagle import default_aux_layer_ids
 from specjax.models.registry import random_model
 from specjax.parallel import MODEL_AXIS, Layout, gather_vocab, shards_kv_heads, traced_with
+from specjax.training.trainer import new_head
 
 
 def model_state(cfg, impl, seed=0):
@@ -140,6 +144,56 @@ def spec_suite(cfg, dcfg, graph, state, dgraph, dstate, batches=(1, 8), ks=(3, 5
     return rows
 
 
+def eagle_suite(cfg, graph, state, batches=(1, 8), ks=(3, 5), new_tokens=256, prompt_len=128,
+                draft_vocab=32000):
+    """The loop with an EAGLE-3 head shaped for the target (one decoder layer, fc over three captured
+    layers, a draft vocabulary of draft_vocab target ids, the target's embedding shared), random weights,
+    synthetic acceptance: draft step time against a target step, and tokens/s against the ideal."""
+    head = new_head(cfg, state, np.arange(draft_vocab), default_aux_layer_ids(cfg.num_layers))
+    hgraph, hstate = nnx.split(head)
+    tstep = step_fn(graph)
+    rows = []
+    for B in batches:
+        plain = run_generate(graph, state, NoProposer(), None, B, prompt_len, new_tokens)[1]
+        context = prompt_len + new_tokens // 2
+        t_target = _step_time(tstep, cfg, state, B, 1, context)
+        t_draft = _head_step_time(hgraph, hstate, head, B, context)
+        for k in ks:
+            t_verify = _step_time(tstep, cfg, state, B, k + 1, context)
+            proposer = EagleProposer(hgraph, head, k, probabilistic=False)
+            gen = generate_fn(graph, proposer)
+            for al in (1.5, 2.5, 3.5):
+                _, t, steps = run_generate(graph, state, proposer, hstate, B, prompt_len, new_tokens,
+                                           conditional_rates(al, k), gen)
+                measured_al = (new_tokens - 1) / max(steps, 1)
+                ideal = B * measured_al / (t_verify + k * t_draft)
+                rows.append(dict(batch=B, k=k, al=al, measured_al=measured_al, tok_s=B * new_tokens / t,
+                                 plain_tok_s=B * new_tokens / plain, speedup=plain / t, ideal_tok_s=ideal,
+                                 frac_of_ideal=(B * new_tokens / t) / ideal, target_ms=1e3 * t_target,
+                                 verify_ms=1e3 * t_verify, draft_ms=1e3 * t_draft,
+                                 draft_frac_of_target=t_draft / t_target))
+                print({key: round(v, 3) if isinstance(v, float) else v for key, v in rows[-1].items()}, flush=True)
+    return rows
+
+
+def _head_step_time(hgraph, hstate, head, B, context):
+    """One EAGLE head draft step: a token and the head's own hidden state in, the next draft (target id) out."""
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(hstate, cache, token, hidden, start):
+        h = nnx.merge(hgraph, hstate)
+        out, feed, cache = h(token[:, None], hidden[:, None], start, cache)
+        return h.to_target_ids(jnp.argmax(h.logits(out[:, 0]), axis=-1)), feed, cache
+
+    holder = [init_cache(head.cfg.layers, B, context + 16, jnp.bfloat16)]
+    token, start = jnp.ones((B,), jnp.int32), jnp.full((B,), context, jnp.int32)
+    hidden = jnp.zeros((B, head.cfg.hidden_size), jnp.bfloat16)
+
+    def run():
+        nxt, feed, holder[0] = step(hstate, holder[0], token, hidden, start)
+        return nxt
+    return median_time(run, repeats=10)
+
+
 def _step_time(step, cfg, state, B, T, context, mesh=None):
     cache = init_cache(cfg, B, context + 16, jnp.bfloat16)
     if mesh is not None:
@@ -185,6 +239,9 @@ def main() -> None:
         dgraph, dstate = model_state(draft_cfg, args.impl, seed=1)
         results["spec"] = spec_suite(target_cfg, draft_cfg, graph, state, dgraph, dstate,
                                      tuple(b for b in batches if b <= 8), ks)
+    if "eagle" in suites:
+        results["eagle"] = eagle_suite(target_cfg, graph, state, tuple(b for b in batches if b <= 8), ks,
+                                       draft_vocab=256 if args.smoke else 32000)
     for name, rows in results.items():
         for r in rows:
             r.update(impl=args.impl, copy_TBps=bandwidth / 1e12)

