@@ -19,8 +19,7 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
-from benchmarks.common import print_table, write_json
-from specjax import LLM, SamplingParams
+from benchmarks.common import print_table, time_llm, write_json
 from specjax.default_model import default_model_dir
 
 # Rewriting / continuing given text, where copying from the prompt pays (prompt lookup's best case).
@@ -60,20 +59,6 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def time_specjax(model_dir, spec, prompts_ids, batch, max_tokens):
-    llm = LLM(str(model_dir), speculative_config=spec, max_model_len=1024, max_num_seqs=batch)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    inputs = [{"prompt_token_ids": ids} for ids in prompts_ids]
-    llm.generate(inputs, params, use_tqdm=False)  # compile
-    start = time.perf_counter()
-    outs = llm.generate(inputs, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    tokens = [o.outputs[0].token_ids for o in outs]
-    drafts = sum(o.outputs[0].num_drafts for o in outs)
-    accepted = sum(o.outputs[0].num_accepted_tokens for o in outs)
-    return tokens, seconds, (1 + accepted / drafts) if drafts else None
-
-
 def time_transformers(model, prompts_ids, max_tokens, **kwargs):
     tokens, start = [], time.perf_counter()
     for ids in prompts_ids:  # batch 1: prompt lookup and assisted generation only support batch 1
@@ -108,20 +93,20 @@ def main() -> None:
                          speedup_vs_own_plain=hf_plain / seconds, acceptance_length=None,
                          same_as_plain=tokens == ref))
     for batch in (int(b) for b in args.batches.split(",")):
-        plain_tokens, plain_s, _ = time_specjax(model_dir, None, prompts_ids, batch, args.max_tokens)
+        plain = time_llm(model_dir, None, prompts_ids, batch, args.max_tokens)
         for name, spec in [("specjax plain", None),
                            ("specjax ngram k=4", {"method": "ngram", "num_speculative_tokens": 4,
                                                   "prompt_lookup_max": 4, "prompt_lookup_min": 2}),
                            ("specjax draft_model k=3 (6-layer draft)", {"model": str(draft_dir),
                                                                         "num_speculative_tokens": 3})]:
-            tokens, seconds, al = ((plain_tokens, plain_s, None) if spec is None else
-                                   time_specjax(model_dir, spec, prompts_ids, batch, args.max_tokens))
-            rows.append(dict(engine=name, batch=batch, tok_s=sum(map(len, tokens)) / seconds,
-                             speedup_vs_own_plain=plain_s / seconds, acceptance_length=al,
-                             same_as_plain=tokens == plain_tokens))
+            result = plain if spec is None else time_llm(model_dir, spec, prompts_ids, batch, args.max_tokens)
+            rows.append(dict(engine=name, batch=batch, tok_s=sum(map(len, result["tokens"])) / result["seconds"],
+                             speedup_vs_own_plain=plain["seconds"] / result["seconds"],
+                             acceptance_length=result["acceptance_length"],
+                             same_as_plain=result["tokens"] == plain["tokens"]))
     rows.append(dict(engine="(specjax plain == transformers greedy)", batch=1, tok_s=None,
                      speedup_vs_own_plain=None, acceptance_length=None,
-                     same_as_plain=plain_tokens == ref if n_ref else None))
+                     same_as_plain=plain["tokens"] == ref if n_ref else None))
     print_table(rows)
     write_json("bench_default_model", rows)
 

@@ -11,6 +11,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from specjax import LLM, SamplingParams
 from specjax.models.model_config import ModelConfig
 
 LLAMA31_8B = ModelConfig(
@@ -92,3 +93,21 @@ def print_table(rows: list[dict]) -> None:
 
 def _fmt(v) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def time_llm(model_dir, spec: dict | None, prompt_ids: list[list[int]], batch: int, max_tokens: int) -> dict:
+    """Greedy generation of prompt_ids through the LLM facade, batch rows per wave, compiled beforehand:
+    tokens per prompt, seconds, and vLLM's acceptance length and per-position acceptance rates."""
+    llm = LLM(str(model_dir), speculative_config=spec, max_model_len=1024, max_num_seqs=batch)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    inputs = [{"prompt_token_ids": ids} for ids in prompt_ids]
+    llm.generate(inputs[:batch], params, use_tqdm=False)  # compile
+    start = time.perf_counter()
+    outs = [o.outputs[0] for o in llm.generate(inputs, params, use_tqdm=False)]
+    seconds = time.perf_counter() - start
+    drafts = sum(o.num_drafts for o in outs)
+    accepted = sum(o.num_accepted_tokens for o in outs)
+    per_position = ([sum(o.num_accepted_tokens_per_pos[i] for o in outs) / drafts
+                     for i in range(spec["num_speculative_tokens"])] if spec and drafts else None)
+    return dict(tokens=[o.token_ids for o in outs], seconds=seconds,
+                acceptance_length=(1 + accepted / drafts) if drafts else None, per_position=per_position)
