@@ -21,6 +21,11 @@ PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Natalia sold clips to 48 of her friends in April, and then she sold half as "
                                  "many clips in May. How many clips did Natalia sell altogether?"}],
+    # Word problems like those the EAGLE-3 head was trained on (written here, not from its training data).
+    [{"role": "user", "content": "A library has 120 books and buys 3 boxes of 15 books each. Then it lends out "
+                                 "40 books. How many books are left in the library?"}],
+    [{"role": "user", "content": "Maria runs 3 miles every weekday and 5 miles on Saturday. How many miles does "
+                                 "she run in 4 weeks?"}],
 ]
 
 CONFIGS = [
@@ -33,7 +38,9 @@ CONFIGS = [
 
 
 def run(name: str, spec: dict | None, params: SamplingParams) -> tuple[list, float, LLM]:
-    llm = LLM(speculative_config=spec, max_num_seqs=len(PROMPTS), max_model_len=1024)
+    # One request at a time: the latency case speculation is for. Batched on a CPU, verifying k+1 tokens
+    # costs about k+1 decode steps and speculation does not pay (benchmarks/RESULTS.md).
+    llm = LLM(speculative_config=spec, max_num_seqs=1, max_model_len=1024)
     llm.chat(PROMPTS, params, use_tqdm=False)  # compile once, outside the timing
     start = time.perf_counter()
     outputs = llm.chat(PROMPTS, params, use_tqdm=False)
