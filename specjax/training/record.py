@@ -85,8 +85,8 @@ def record(llm: Any, prompt_ids: Sequence[list[int]], max_new_tokens: int, aux_l
 
 def _scanned(graph: nnx.GraphDef, params: Any) -> nnx.GraphDef:
     """The target's graph with its layers scanned. Recording runs large batches, and unrolled layers put
-    batch x layers KV-cache row writes into the compiled loop (batch 256 did not compile in 9 minutes on an
-    H200); scanned, the loop body holds one layer's writes, and weight-slice copies cost little at that batch."""
+    batch x layers KV-cache row writes into the compiled loop (at batch 256 an H200 run finished no wave in
+    9 minutes, most likely still compiling); scanned, the loop body holds one layer's writes, and weight-slice copies cost little at that batch."""
     model = nnx.merge(graph, params)
     model.unroll_layers = False
     return nnx.split(model)[0]
