@@ -28,7 +28,7 @@ from specjax.engine.state import RowParams
 from specjax.models.kv_cache import init_cache
 from specjax.models.eagle import default_aux_layer_ids
 from specjax.models.registry import random_model
-from specjax.parallel import MODEL_AXIS, Layout, gather_vocab, shards_kv_heads, traced_with
+from specjax.parallel import MODEL_AXIS, Layout, gather_vocab, sharded_generate, shards_kv_heads, traced_with
 from specjax.training.trainer import new_head
 
 
@@ -76,9 +76,10 @@ def rows_params(B, max_tokens, seed=0):
                      min_tokens=jnp.zeros((B,), jnp.int32), stop_ids=jnp.full((B, 1), -1, jnp.int32))
 
 
-def generate_fn(graph, proposer):
-    return jax.jit(build_generate(graph, proposer, LoopSpec(k=proposer.k, n_top=0, max_model_len=8192)),
-                   static_argnums=5)
+def generate_fn(graph, proposer, mesh=None):
+    """The jitted generate loop; under `mesh`, sharded as the LLM facade runs it."""
+    generate = build_generate(graph, proposer, LoopSpec(k=proposer.k, n_top=0, max_model_len=8192))
+    return jax.jit(generate if mesh is None else sharded_generate(generate, mesh), static_argnums=5)
 
 
 def run_generate(graph, state, proposer, draft_state, B, prompt_len, new_tokens, rates=None, gen=None):
@@ -124,23 +125,14 @@ def spec_suite(cfg, dcfg, graph, state, dgraph, dstate, batches=(1, 8), ks=(3, 5
                prompt_len=128):
     rows = []
     tstep, dstep = step_fn(graph), step_fn(dgraph)
+    context = prompt_len + new_tokens // 2
     for B in batches:
         plain = run_generate(graph, state, NoProposer(), None, B, prompt_len, new_tokens)[1]
         for k in ks:
-            t_verify = _step_time(tstep, cfg, state, B, k + 1, prompt_len + new_tokens // 2)
-            t_draft = _step_time(dstep, dcfg, dstate, B, 1, prompt_len + new_tokens // 2)
-            proposer = DraftModelProposer(dgraph, k, probabilistic=False)
-            gen = generate_fn(graph, proposer)
-            for al in (1.5, 2.5, 3.5):
-                _, t, steps = run_generate(graph, state, proposer, dstate, B, prompt_len, new_tokens,
-                                           conditional_rates(al, k), gen)
-                measured_al = (new_tokens - 1) / max(steps, 1)
-                ideal = B * measured_al / (t_verify + k * t_draft)
-                rows.append(dict(batch=B, k=k, al=al, measured_al=measured_al, tok_s=B * new_tokens / t,
-                                 plain_tok_s=B * new_tokens / plain, speedup=plain / t, ideal_tok_s=ideal,
-                                 frac_of_ideal=(B * new_tokens / t) / ideal,
-                                 verify_ms=1e3 * t_verify, draft_ms=1e3 * t_draft))
-                print({key: round(v, 3) if isinstance(v, float) else v for key, v in rows[-1].items()}, flush=True)
+            t_verify = step_time(tstep, cfg, state, B, k + 1, context)
+            t_draft = step_time(dstep, dcfg, dstate, B, 1, context)
+            rows += acceptance_sweep(graph, state, DraftModelProposer(dgraph, k, probabilistic=False), dstate, B,
+                                     plain, t_verify, t_draft, new_tokens, prompt_len)
     return rows
 
 
@@ -152,31 +144,41 @@ def eagle_suite(cfg, graph, state, batches=(1, 8), ks=(3, 5), new_tokens=256, pr
     head = new_head(cfg, state, np.arange(draft_vocab), default_aux_layer_ids(cfg.num_layers))
     hgraph, hstate = nnx.split(head)
     tstep = step_fn(graph)
+    context = prompt_len + new_tokens // 2
     rows = []
     for B in batches:
         plain = run_generate(graph, state, NoProposer(), None, B, prompt_len, new_tokens)[1]
-        context = prompt_len + new_tokens // 2
-        t_target = _step_time(tstep, cfg, state, B, 1, context)
-        t_draft = _head_step_time(hgraph, hstate, head, B, context)
+        t_target = step_time(tstep, cfg, state, B, 1, context)
+        t_draft = head_step_time(hgraph, hstate, head, B, context)
         for k in ks:
-            t_verify = _step_time(tstep, cfg, state, B, k + 1, context)
-            proposer = EagleProposer(hgraph, head, k, probabilistic=False)
-            gen = generate_fn(graph, proposer)
-            for al in (1.5, 2.5, 3.5):
-                _, t, steps = run_generate(graph, state, proposer, hstate, B, prompt_len, new_tokens,
-                                           conditional_rates(al, k), gen)
-                measured_al = (new_tokens - 1) / max(steps, 1)
-                ideal = B * measured_al / (t_verify + k * t_draft)
-                rows.append(dict(batch=B, k=k, al=al, measured_al=measured_al, tok_s=B * new_tokens / t,
-                                 plain_tok_s=B * new_tokens / plain, speedup=plain / t, ideal_tok_s=ideal,
-                                 frac_of_ideal=(B * new_tokens / t) / ideal, target_ms=1e3 * t_target,
-                                 verify_ms=1e3 * t_verify, draft_ms=1e3 * t_draft,
-                                 draft_frac_of_target=t_draft / t_target))
-                print({key: round(v, 3) if isinstance(v, float) else v for key, v in rows[-1].items()}, flush=True)
+            t_verify = step_time(tstep, cfg, state, B, k + 1, context)
+            rows += acceptance_sweep(graph, state, EagleProposer(hgraph, head, k, probabilistic=False), hstate, B,
+                                     plain, t_verify, t_draft, new_tokens, prompt_len, target_ms=1e3 * t_target,
+                                     draft_frac_of_target=t_draft / t_target)
     return rows
 
 
-def _head_step_time(hgraph, hstate, head, B, context):
+def acceptance_sweep(graph, state, proposer, draft_state, B, plain, t_verify, t_draft, new_tokens, prompt_len,
+                     **extra) -> list[dict]:
+    """One compiled speculative loop run at synthetic acceptance lengths 1.5 / 2.5 / 3.5: tokens/s against
+    plain decoding (`plain` seconds) and against the ideal B x AL / (t_verify + k t_draft). Rows printed as
+    they come; `extra` is added to each."""
+    k, rows = proposer.k, []
+    gen = generate_fn(graph, proposer)
+    for al in (1.5, 2.5, 3.5):
+        _, t, steps = run_generate(graph, state, proposer, draft_state, B, prompt_len, new_tokens,
+                                   conditional_rates(al, k), gen)
+        measured_al = (new_tokens - 1) / max(steps, 1)
+        ideal = B * measured_al / (t_verify + k * t_draft)
+        rows.append(dict(batch=B, k=k, al=al, measured_al=measured_al, tok_s=B * new_tokens / t,
+                         plain_tok_s=B * new_tokens / plain, speedup=plain / t, ideal_tok_s=ideal,
+                         frac_of_ideal=(B * new_tokens / t) / ideal, verify_ms=1e3 * t_verify,
+                         draft_ms=1e3 * t_draft, **extra))
+        print({key: round(v, 3) if isinstance(v, float) else v for key, v in rows[-1].items()}, flush=True)
+    return rows
+
+
+def head_step_time(hgraph, hstate, head, B, context):
     """One EAGLE head draft step: a token and the head's own hidden state in, the next draft (target id) out."""
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(hstate, cache, token, hidden, start):
@@ -194,7 +196,7 @@ def _head_step_time(hgraph, hstate, head, B, context):
     return median_time(run, repeats=10)
 
 
-def _step_time(step, cfg, state, B, T, context, mesh=None):
+def step_time(step, cfg, state, B, T, context, mesh=None):
     cache = init_cache(cfg, B, context + 16, jnp.bfloat16)
     if mesh is not None:
         heads = MODEL_AXIS if shards_kv_heads(cfg.num_kv_heads, mesh.shape[MODEL_AXIS]) else None

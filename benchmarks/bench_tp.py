@@ -10,18 +10,16 @@ Writes $OUT/bench_tp.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import functools
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from benchmarks.bench_engine import (_step_time, conditional_rates, model_state, run_generate, smoke_configs,
-                                     step_fn)
+from benchmarks.bench_engine import (step_time, conditional_rates, generate_fn, model_state, run_generate,
+                                     smoke_configs, step_fn)
 from benchmarks.common import (LLAMA31_8B, LLAMA32_1B, copy_bandwidth, kv_bytes_per_token, median_time,
                                print_table, weight_bytes, write_json)
 from specjax import parallel
-from specjax.engine.loop import LoopSpec, build_generate
 from specjax.engine.proposers.base import NoProposer
 from specjax.engine.proposers.draft_model import DraftModelProposer
 
@@ -42,11 +40,6 @@ def all_reduce_time(mesh, B: int, hidden: int, n: int = 64) -> float:
     return (median_time(lambda: long(x), repeats=20) - median_time(lambda: short(x), repeats=20)) / n
 
 
-def generate_fn(graph, proposer, mesh):
-    generate = build_generate(graph, proposer, LoopSpec(k=proposer.k, n_top=0, max_model_len=8192))
-    return jax.jit(generate if mesh is None else parallel.sharded_generate(generate, mesh), static_argnums=5)
-
-
 def tp_rows(tp, cfg, dcfg, batches, bandwidth, context=1024, new_tokens=256, prompt_len=128, k=3, al=2.5):
     mesh = parallel.build_mesh(tp) if tp > 1 else None
     graph, state = model_state(cfg, "auto")
@@ -59,8 +52,8 @@ def tp_rows(tp, cfg, dcfg, batches, bandwidth, context=1024, new_tokens=256, pro
     plain_gen, spec_gen = generate_fn(graph, NoProposer(), mesh), generate_fn(graph, proposer, mesh)
     rows = []
     for B in batches:
-        t_step = _step_time(step, cfg, state, B, 1, context, mesh)
-        t_verify = _step_time(step, cfg, state, B, k + 1, context, mesh)
+        t_step = step_time(step, cfg, state, B, 1, context, mesh)
+        t_verify = step_time(step, cfg, state, B, k + 1, context, mesh)
         per_gpu_bytes = (weight_bytes(cfg) + B * (context + 1) * kv_bytes_per_token(cfg)) / tp
         reduce = all_reduce_time(mesh, B, cfg.hidden_size) if mesh is not None else 0.0
         plain = run_generate(graph, state, NoProposer(), None, B, prompt_len, new_tokens, gen=plain_gen)[1]
