@@ -51,8 +51,9 @@ class FeatureRecorder:
                          _write_rows(carry.final, target.hidden.astype(jnp.float16), target.start))
 
 
-# Each row's pass lands at its own start position: one batched in-place update (a scatter), so the compiled
-# loop does not grow with the batch.
+# Each row's pass lands at its own start position: one batched update (a scatter), so the compiled loop does
+# not grow with the batch. XLA may copy the buffers per step (kv_cache.write_layer saw that for the cache);
+# for this offline job that costs less than the forward pass at recording batch sizes.
 _write_rows = jax.vmap(lambda buffer, values, start: jax.lax.dynamic_update_slice(buffer, values, (start, 0)))
 
 
@@ -86,7 +87,8 @@ def record(llm: Any, prompt_ids: Sequence[list[int]], max_new_tokens: int, aux_l
 def _scanned(graph: nnx.GraphDef, params: Any) -> nnx.GraphDef:
     """The target's graph with its layers scanned. Recording runs large batches, and unrolled layers put
     batch x layers KV-cache row writes into the compiled loop (at batch 256 an H200 run finished no wave in
-    9 minutes, most likely still compiling); scanned, the loop body holds one layer's writes, and weight-slice copies cost little at that batch."""
+    9 minutes, most likely still compiling); scanned, the loop body holds one layer's writes, and the
+    weight-slice copies scanning costs are small next to a batch-256 step."""
     model = nnx.merge(graph, params)
     model.unroll_layers = False
     return nnx.split(model)[0]
