@@ -1,7 +1,8 @@
-"""The default model (SmolLM2-135M-Instruct, fp32) end to end: specjax plain / ngram / draft_model against
-transformers' generate / prompt lookup / assisted generation on the same prompts, in the same run.
+"""The default model (SmolLM2-135M-Instruct) end to end: specjax plain / ngram / draft_model / EAGLE-3 (the
+shipped head) against transformers' generate / prompt lookup / assisted generation on the same prompts, in
+the same run and dtype.
 
-    PYTHONPATH=. python benchmarks/bench_default_model.py [--max-tokens 128] [--batches 1,8]
+    PYTHONPATH=. python benchmarks/bench_default_model.py [--max-tokens 128] [--batches 1,8] [--dtype float32]
 
 Writes $OUT/bench_default_model.json (or ./). Greedy, so every engine must produce the same tokens; the
 table says whether each specjax run matched plain decoding.
@@ -20,7 +21,7 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from benchmarks.common import print_table, time_llm, write_json
-from specjax.default_model import default_model_dir
+from specjax.default_model import DEFAULT_EAGLE3_HEAD, default_model_dir
 
 # Rewriting / continuing given text, where copying from the prompt pays (prompt lookup's best case).
 PROMPTS = [
@@ -63,7 +64,7 @@ def time_transformers(model, prompts_ids, max_tokens, **kwargs):
     tokens, start = [], time.perf_counter()
     for ids in prompts_ids:  # batch 1: prompt lookup and assisted generation only support batch 1
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, top_p=None,
+            out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=max_tokens, do_sample=False, top_p=None,
                                  top_k=None, temperature=None, pad_token_id=2, **kwargs)
         tokens.append(out[0, len(ids):].tolist())
     return tokens, time.perf_counter() - start
@@ -73,14 +74,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
+    torch_dtype = getattr(torch, args.dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     model_dir = default_model_dir()
     draft_dir = truncated_draft(model_dir, 6)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     prompts_ids = [chat_ids(tokenizer, p) for p in PROMPTS]
     rows = []
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    hf_draft = transformers.AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
+    hf_draft = transformers.AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch_dtype).to(device).eval()
     time_transformers(hf, prompts_ids[:1], 8)  # warm-up
     ref, hf_plain = time_transformers(hf, prompts_ids, args.max_tokens)
     n_ref = sum(map(len, ref))
@@ -93,13 +97,16 @@ def main() -> None:
                          speedup_vs_own_plain=hf_plain / seconds, acceptance_length=None,
                          same_as_plain=tokens == ref))
     for batch in (int(b) for b in args.batches.split(",")):
-        plain = time_llm(model_dir, None, prompts_ids, batch, args.max_tokens)
+        plain = time_llm(model_dir, None, prompts_ids, batch, args.max_tokens, args.dtype)
         for name, spec in [("specjax plain", None),
                            ("specjax ngram k=4", {"method": "ngram", "num_speculative_tokens": 4,
                                                   "prompt_lookup_max": 4, "prompt_lookup_min": 2}),
                            ("specjax draft_model k=3 (6-layer draft)", {"model": str(draft_dir),
-                                                                        "num_speculative_tokens": 3})]:
-            result = plain if spec is None else time_llm(model_dir, spec, prompts_ids, batch, args.max_tokens)
+                                                                        "num_speculative_tokens": 3}),
+                           ("specjax eagle3 k=3 (shipped head)", {"model": DEFAULT_EAGLE3_HEAD,
+                                                                  "num_speculative_tokens": 3})]:
+            result = plain if spec is None else time_llm(model_dir, spec, prompts_ids, batch, args.max_tokens,
+                                                         args.dtype)
             rows.append(dict(engine=name, batch=batch, tok_s=sum(map(len, result["tokens"])) / result["seconds"],
                              speedup_vs_own_plain=plain["seconds"] / result["seconds"],
                              acceptance_length=result["acceptance_length"],
@@ -108,7 +115,7 @@ def main() -> None:
                      speedup_vs_own_plain=None, acceptance_length=None,
                      same_as_plain=plain["tokens"] == ref if n_ref else None))
     print_table(rows)
-    write_json("bench_default_model", rows)
+    write_json(f"bench_default_model_{args.dtype}", rows)
 
 
 if __name__ == "__main__":

@@ -95,13 +95,14 @@ def _fmt(v) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
-def time_llm(model_dir, spec: dict | None, prompt_ids: list[list[int]], batch: int, max_tokens: int) -> dict:
+def time_llm(model_dir, spec: dict | None, prompt_ids: list[list[int]], batch: int, max_tokens: int,
+             dtype: str = "auto") -> dict:
     """Greedy generation of prompt_ids through the LLM facade, batch rows per wave, compiled beforehand:
     tokens per prompt, seconds, and vLLM's acceptance length and per-position acceptance rates."""
-    llm = LLM(str(model_dir), speculative_config=spec, max_model_len=1024, max_num_seqs=batch)
+    llm = LLM(str(model_dir), speculative_config=spec, max_model_len=1024, max_num_seqs=batch, dtype=dtype)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     inputs = [{"prompt_token_ids": ids} for ids in prompt_ids]
-    llm.generate(inputs[:batch], params, use_tqdm=False)  # compile
+    llm.generate(inputs, params, use_tqdm=False)  # compiles every shape bucket the timed run meets
     start = time.perf_counter()
     outs = [o.outputs[0] for o in llm.generate(inputs, params, use_tqdm=False)]
     seconds = time.perf_counter() - start

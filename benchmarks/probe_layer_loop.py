@@ -35,12 +35,14 @@ def weight_shapes(cfg) -> set[str]:
 
 
 def materialised_weights(hlo: str, shapes: set[str]) -> Counter:
-    """Instructions (not parameters or tuple plumbing) whose result has a per-layer weight shape."""
+    """Instructions (not parameters or tuple plumbing) whose result has a per-layer weight shape (a slice of
+    a stacked leaf keeps its unit layer axis: bf16[1,4096,4096])."""
     found = Counter()
     for line in hlo.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%?[\w.-]+ = (bf16\[\d+,\d+\])\S* (\w[\w-]*)", line)
-        if m and m.group(1) in shapes and m.group(2) not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
-            found[f"{m.group(2)} {m.group(1)}"] += 1
+        m = re.match(r"\s*(?:ROOT )?%?[\w.-]+ = bf16\[(?:1,)?(\d+,\d+)\]\S* (\w[\w-]*)", line)
+        shape = m and f"bf16[{m.group(1)}]"
+        if shape in shapes and m.group(2) not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
+            found[f"{m.group(2)} {shape}"] += 1
     return found
 
 

@@ -73,7 +73,7 @@ NO_EFFECT_KWARGS: dict[str, Any] = {
 ACCEPTED_KWARGS = (
     "model", "tokenizer", "dtype", "tensor_parallel_size", "max_model_len", "max_num_seqs", "seed",
     "gpu_memory_utilization", "enforce_eager", "trust_remote_code", "revision", "speculative_config",
-    "attention_impl",
+    "attention_impl", "unroll_layers",
 )
 
 
@@ -100,6 +100,7 @@ class EngineConfig:
     revision: str | None = None
     speculative_config: Mapping[str, Any] | None = None
     attention_impl: str = "auto"
+    unroll_layers: bool | None = None
 
     @classmethod
     def from_kwargs(cls, model: str | os.PathLike, **kwargs: Any) -> EngineConfig:
@@ -127,6 +128,8 @@ class EngineConfig:
         _check_memory_fraction(self.gpu_memory_utilization)
         for name in ("enforce_eager", "trust_remote_code"):
             _check_bool(getattr(self, name), name)
+        if self.unroll_layers is not None:
+            _check_bool(self.unroll_layers, "unroll_layers")
         _check_optional_str(self.revision, "revision")
         if self.speculative_config is not None and not isinstance(self.speculative_config, Mapping):
             raise TypeError(f"speculative_config must be a dict (e.g. {{'method': 'ngram', "

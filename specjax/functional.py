@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.engine.loop import LoopSpec, build_generate
+from specjax.engine.sampling import GREEDY_TEMPERATURE_EPS
 from specjax.engine.state import RowParams
 from specjax.parallel import sharded_generate
 from specjax.sampling_params import SamplingParams, to_row_arrays
@@ -26,7 +27,8 @@ def make_generate_fn(llm, sampling_params: SamplingParams) -> Callable:
     if sampling_params.n != 1:
         raise ValueError("make_generate_fn takes n=1: vmap the function over rng for several samples")
     k = llm.proposer.k
-    spec = LoopSpec(k=k, n_top=0, max_model_len=llm.max_model_len)
+    spec = LoopSpec(k=k, n_top=0, max_model_len=llm.max_model_len,
+                    greedy=sampling_params.temperature < GREEDY_TEMPERATURE_EPS)
     generate = build_generate(llm.target_graph, llm.proposer, spec)
     if llm.mesh is not None:
         generate = sharded_generate(generate, llm.mesh)

@@ -58,10 +58,12 @@ class LLM:
         self.dtype = jnp.dtype(resolve_dtype(self.config.dtype, self.model_config))
         self.mesh, shardings = parallel.plan(self.model_config, tensor_parallel_size)
         params = load_checkpoint(path, self.model_config, self.dtype, shardings)
-        target = build_model(self.model_config, params, attention_impl=self.config.attention_impl)
+        target = build_model(self.model_config, params, attention_impl=self.config.attention_impl,
+                             unroll_layers=self.config.unroll_layers)
         self.target_graph, self.params = nnx.split(target)
         self.proposer, self.draft_params = build_proposer(self.speculative_config, self.model_config, self.dtype,
-                                                          attention_impl=self.config.attention_impl, mesh=self.mesh,
+                                                          attention_impl=self.config.attention_impl,
+                                                          unroll_layers=self.config.unroll_layers, mesh=self.mesh,
                                                           target_params=self.params)
         self._check_kv_cache_fits()
         self._runner = WaveRunner(

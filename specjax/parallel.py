@@ -38,12 +38,12 @@ from specjax.models.model_config import ModelConfig
 MODEL_AXIS = "model"
 DATA_AXIS = "data"
 
-# Leaf name -> which axis of the leaf is split over "model" (None: replicated). Stacked layer leaves lead
-# with the layer axis; matrices are [in, out].
-_COLUMN_PARALLEL = {"wq": 2, "w_gate": 2, "w_up": 2, "bq": 1}
-_KV_COLUMN_PARALLEL = {"wk": 2, "wv": 2, "bk": 1, "bv": 1}
-_ROW_PARALLEL = {"wo": 1, "w_down": 1}
-_VOCAB_PARALLEL = {"embed": 0, "lm_head": 1}
+# Leaf name -> which axis of the leaf is split over "model", counted from the end so that it holds for
+# stacked layer leaves (leading layer axis) and per-layer ones alike; matrices are [in, out].
+_COLUMN_PARALLEL = {"wq": -1, "w_gate": -1, "w_up": -1, "bq": -1}
+_KV_COLUMN_PARALLEL = {"wk": -1, "wv": -1, "bk": -1, "bv": -1}
+_ROW_PARALLEL = {"wo": -2, "w_down": -2}
+_VOCAB_PARALLEL = {"embed": -2, "lm_head": -1}
 _REPLICATED = {"attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm"}
 
 
@@ -141,9 +141,11 @@ def check_tensor_parallel(cfg: ModelConfig, tensor_parallel_size: int, *, name: 
 
 
 def leaf_spec(path: str, cfg: ModelConfig, tensor_parallel_size: int) -> P:
-    """The PartitionSpec of the param leaf at `path` ("layers/wq", "embed", ...)."""
-    name = path.split("/")[-1]
-    ndim = len(hf_name_map(cfg)[path].shape)
+    """The PartitionSpec of the param leaf at `path` ("layers/wq", "embed", or "layers/3/wq" for the
+    per-layer layout of unrolled models)."""
+    parts = path.split("/")
+    name, layer_index = parts[-1], [p for p in parts if p.isdigit()]
+    ndim = len(hf_name_map(cfg)["/".join(p for p in parts if not p.isdigit())].shape) - len(layer_index)
     if name in _COLUMN_PARALLEL:
         return _split(ndim, _COLUMN_PARALLEL[name])
     if name in _KV_COLUMN_PARALLEL:
@@ -260,7 +262,7 @@ def _kv_heads_axis(num_kv_heads: int, mesh: Mesh) -> str | None:
 
 
 def _split(ndim: int, axis: int) -> P:
-    return P(*(MODEL_AXIS if i == axis else None for i in range(ndim)))
+    return P(*(MODEL_AXIS if i == axis % ndim else None for i in range(ndim)))
 
 
 def _path_str(path: tuple) -> str:

@@ -230,6 +230,31 @@ def test_a_converted_orbax_checkpoint_generates_like_its_source(default_model_di
     assert got == expected and len(got) == 12
 
 
+def test_unrolled_layers_generate_like_scanned_ones(default_model_dir, tiny_checkpoint_factory, tmp_path):
+    """The per-layer unrolled layout (the GPU default) forced on CPU, for the target and a draft model:
+    the same greedy tokens as the stacked, scanned layout."""
+    dirs = {}
+    for family in ("llama", "qwen3"):
+        dirs[family] = tmp_path / family
+        shutil.copytree(tiny_checkpoint_factory(family), dirs[family])
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(default_model_dir / name, dirs[family] / name)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 42, 8], [9] * 11, [3])]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    draft = {"model": str(dirs["qwen3"]), "num_speculative_tokens": 3}
+
+    def tokens(unroll: bool, spec):
+        llm = LLM(str(dirs["llama"]), max_num_seqs=4, unroll_layers=unroll, speculative_config=spec)
+        assert llm.params["layers"].keys() == ({0, 1} if unroll else {"attn_norm", "mlp_norm", "w_down", "w_gate",
+                                                                    "w_up", "wk", "wo", "wq", "wv"})
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    for spec in (None, draft):
+        assert tokens(True, spec) == tokens(False, spec)
+    with pytest.raises(TypeError, match="unroll_layers"):
+        LLM(str(dirs["llama"]), unroll_layers="yes")
+
+
 def test_generation_config_sampling_defaults_apply_without_sampling_params(default_model_dir, tmp_path):
     model_dir = tmp_path / "model"
     shutil.copytree(default_model_dir, model_dir)

@@ -10,6 +10,7 @@ import pytest
 from checkpoints_conv import convert_hf_to_orbax, load_checkpoint, load_params
 from conftest import TINY_FAMILIES
 from specjax.models.kv_cache import init_cache
+from specjax.models.llama import stack_layers, unstack_layers
 from specjax.models.model_config import ModelConfig
 from specjax.models.registry import build_model
 
@@ -21,13 +22,14 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
-def flax_logits(cfg: ModelConfig, params: dict, prompts: list[list[int]]) -> list[np.ndarray]:
+def flax_logits(cfg: ModelConfig, params: dict, prompts: list[list[int]],
+                unroll_layers: bool | None = None) -> list[np.ndarray]:
     """Logits [len, V] per prompt from one right-padded batched prefill starting at position 0."""
     width = max(len(p) for p in prompts)
     tokens = np.zeros((len(prompts), width), np.int32)
     for row, prompt in enumerate(prompts):
         tokens[row, :len(prompt)] = prompt
-    model = build_model(cfg, params)
+    model = build_model(cfg, params, unroll_layers=unroll_layers)
     cache = init_cache(cfg, len(prompts), width, jnp.float32)
     # Full fp32 matmuls: on GPUs JAX's default precision for fp32 is TF32 (about 1e-3 relative).
     with jax.default_matmul_precision("highest"):
@@ -68,13 +70,30 @@ def torch_reference():
     return load
 
 
+@pytest.mark.parametrize("unroll", [False, True], ids=["scanned", "unrolled"])
 @pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
-def test_tiny_family_logits_match_transformers(tiny_checkpoint_factory, torch_reference, family):
+def test_tiny_family_logits_match_transformers(tiny_checkpoint_factory, torch_reference, family, unroll):
+    """Both layer layouts: stacked weights under lax.scan (the CPU default) and per-layer weights unrolled
+    (the GPU default)."""
     model_dir = tiny_checkpoint_factory(family)
     cfg = ModelConfig.from_dir(model_dir)
     prompts = random_prompts(cfg.vocab_size, TINY_PROMPT_LENGTHS)
-    got = flax_logits(cfg, load_params(model_dir, cfg, dtype="float32"), prompts)
+    got = flax_logits(cfg, load_params(model_dir, cfg, dtype="float32"), prompts, unroll_layers=unroll)
     assert_logits_match(got, torch_logits(torch_reference(model_dir), prompts))
+
+
+def test_per_layer_layout_round_trips_and_releases_the_stacked_leaves(tiny_checkpoint_factory):
+    cfg = ModelConfig.from_dir(tiny_checkpoint_factory("qwen3"))
+    params = load_params(tiny_checkpoint_factory("qwen3"), cfg)
+    stacked = {name: np.asarray(leaf) for name, leaf in params["layers"].items()}
+    per_layer = unstack_layers(params, cfg.num_layers)
+    assert "layers" not in params   # consumed: the stacked leaves are no longer held
+    assert sorted(per_layer["layers"]) == list(range(cfg.num_layers))
+    for i in range(cfg.num_layers):
+        for name, leaf in per_layer["layers"][i].items():
+            np.testing.assert_array_equal(leaf, stacked[name][i])
+    for name, leaf in stack_layers(per_layer)["layers"].items():
+        np.testing.assert_array_equal(leaf, stacked[name])
 
 
 def test_llama3_rope_scaling_matters(tiny_checkpoint_factory):

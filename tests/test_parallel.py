@@ -195,14 +195,16 @@ def test_plain_and_speculative_agree_at_tp1_too(build):
 def _check_leaf(path: str, leaf: jax.Array, tp: int, cfg: ModelConfig, replicated: bool = False) -> None:
     name = path.split("/")[-1]
     axis = None if replicated else SPLIT_AXIS.get(name)
+    if axis is not None and any(part.isdigit() for part in path.split("/")):
+        axis -= 1  # a per-layer leaf (unrolled layout) has no leading layer axis
     if name in KV_LEAVES and cfg.num_kv_heads < tp:
         axis = None  # fewer kv heads than devices: K/V projections replicated
     expected_spec = P(*("model" if i == axis else None for i in range(leaf.ndim)))
     expected_shape = tuple(n // tp if i == axis else n for i, n in enumerate(leaf.shape))
     assert isinstance(leaf.sharding, NamedSharding), path
     assert leaf.sharding.mesh.shape["model"] == tp, path
-    assert P(*leaf.sharding.spec) == expected_spec or (axis is None and all(s is None for s in leaf.sharding.spec)), \
-        (path, leaf.sharding.spec, expected_spec)
+    spec = tuple(leaf.sharding.spec) + (None,) * (leaf.ndim - len(leaf.sharding.spec))  # trailing Nones optional
+    assert P(*spec) == expected_spec, (path, leaf.sharding.spec, expected_spec)
     assert {d.id for d in leaf.sharding.device_set} == set(range(tp)), path
     shards = leaf.addressable_shards
     assert len(shards) == tp and all(s.data.shape == expected_shape for s in shards), (path, expected_shape)
@@ -223,6 +225,20 @@ def test_each_param_leaf_is_sharded_as_the_layout_says(build, tp):
     assert {"embed", "lm_head", "layers/wq", "layers/wk", "layers/w_down", "final_norm"} <= set(leaves)
     for path, leaf in leaves.items():
         _check_leaf(path, leaf, tp, llm.model_config)
+
+
+@needs_8
+def test_unrolled_per_layer_leaves_are_sharded_and_generate_like_tp1(build, target_dir, default_model_dir):
+    """The GPU default layout (one weight set per layer, unrolled) forced on CPU at TP=4: every per-layer
+    leaf split as the layout says, the same greedy tokens as TP=1."""
+    llm = LLM(str(target_dir), tokenizer=str(default_model_dir), tensor_parallel_size=4, unroll_layers=True,
+              **LIMITS)
+    leaves = _leaves(llm.params)
+    assert {"layers/0/wq", "layers/1/w_down", "embed"} <= set(leaves)
+    for path, leaf in leaves.items():
+        _check_leaf(path, leaf, 4, llm.model_config)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert _tokens(outs) == _tokens(build(1, "none")[1])
 
 
 @needs_8

@@ -25,6 +25,7 @@ def _rows(batch: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> dict:
 
 TABLE_K, TABLE_BATCH = 3, 2
 verify = jax.jit(rejection_sample)
+verify_greedy_only = jax.jit(functools.partial(rejection_sample, greedy_only=True))
 
 
 def _table_inputs(spec_tokens: list[list[int]], output_tokens: list[list[int]], vocab=100):
@@ -60,12 +61,14 @@ GREEDY_TABLE = [
 ]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "random"])
+@pytest.mark.parametrize("temperature,greedy_only", [(0.0, False), (0.0, True), (1.0, False)],
+                         ids=["greedy", "greedy_only", "random"])
 @pytest.mark.parametrize("spec_tokens,output_tokens,expected", GREEDY_TABLE)
-def test_vllm_table_cases(spec_tokens, output_tokens, expected, temperature):
-    """Greedy rows follow the table; random rows too, since these targets are one-hot."""
+def test_vllm_table_cases(spec_tokens, output_tokens, expected, temperature, greedy_only):
+    """Greedy rows follow the table, also on the all-greedy path (greedy_only, which builds no
+    distribution); random rows too, since these targets are one-hot."""
     logits, drafts = _table_inputs(spec_tokens, output_tokens)
-    out, num_accepted = verify(logits, drafts, None, **_rows(TABLE_BATCH, temperature),
+    out, num_accepted = (verify_greedy_only if greedy_only else verify)(logits, drafts, None, **_rows(TABLE_BATCH, temperature),
                                seed=jnp.arange(TABLE_BATCH), position=jnp.full((TABLE_BATCH,), 9))
     want = _pad_expected(expected)
     real = len(expected)
@@ -244,6 +247,20 @@ def test_synthetic_acceptance_frequencies_match_rates(temperature):
     if temperature == 0.0:
         argmax = np.asarray(jnp.argmax(target_logits, axis=-1))
         np.testing.assert_array_equal(out[np.arange(batch), num_accepted], argmax[num_accepted])
+
+
+def test_greedy_only_path_equals_the_general_one_on_greedy_rows():
+    """Random logits and drafts, every row greedy: the all-greedy path (no distribution) gives the general
+    path's tokens and counts, in standard and synthetic mode."""
+    logits = 3.0 * jax.random.normal(jax.random.key(13), (64, 4, V))
+    drafts = jnp.where(jax.random.uniform(jax.random.key(14), (64, 3)) < 0.1, PAD,
+                       jnp.argmax(logits[:, :3] + jax.random.normal(jax.random.key(15), (64, 3, V)), -1))
+    for rates in (None, jnp.array([0.9, 0.5, 0.25])):
+        kwargs = dict(**_rows(64, 0.0), seed=jnp.arange(64), position=jnp.arange(64), synthetic_rates=rates)
+        general, fast = verify(logits, drafts, None, **kwargs), verify_greedy_only(logits, drafts, None, **kwargs)
+        np.testing.assert_array_equal(np.asarray(fast[0]), np.asarray(general[0]))
+        np.testing.assert_array_equal(np.asarray(fast[1]), np.asarray(general[1]))
+        assert 0 < int(np.sum(general[1])) < 64 * 3   # some accepted, some rejected
 
 
 def test_synthetic_extremes_and_missing_drafts():

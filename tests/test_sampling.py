@@ -90,6 +90,8 @@ def test_greedy_takes_first_maximal_logit():
     params = _param_arrays([(0.0, 1, 0.1, 0.5), (0.0, 0, 1.0, 0.0)])
     tokens = sample(logits, *params, seed=jnp.array([3, 4]), position=jnp.array([0, 9]))
     np.testing.assert_array_equal(np.asarray(tokens), [1, 0])
+    fast = sample(logits, *params, seed=jnp.array([3, 4]), position=jnp.array([0, 9]), greedy_only=True)
+    np.testing.assert_array_equal(np.asarray(fast), [1, 0])
     probs = processed_probs(logits, *params)
     np.testing.assert_array_equal(np.asarray(probs), [[0, 1, 0, 0], [1, 0, 0, 0]])
 

@@ -25,6 +25,7 @@ class LoopSpec:
     k: int                      # speculative tokens per step (0 = plain decoding)
     n_top: int                  # top logprobs kept per generated token
     max_model_len: int
+    greedy: bool = False        # every row greedy: argmax only (no distributions, draws or batch-wide cond)
 
 
 def build_generate(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpec) -> Callable:
@@ -53,7 +54,7 @@ def _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows,
     raw_logits = gather_vocab(target.logits(last_hidden))
     logits = _mask_stop_ids(raw_logits, rows, generated=jnp.zeros((B,), jnp.int32))
     first = sampling.sample(logits[:, 0], rows.temperature, rows.top_k, rows.top_p, rows.min_p,
-                            rows.seed, prompt_lengths)
+                            rows.seed, prompt_lengths, greedy_only=spec.greedy)
     tokens = jnp.zeros((B, cache_len), jnp.int32).at[:, :P].set(prompt_tokens)
     state = LoopState(
         tokens=tokens, lengths=prompt_lengths, prompt_lengths=prompt_lengths,
@@ -105,10 +106,11 @@ def _verify(logits, drafts, draft_probs, rows: RowParams, position, spec: LoopSp
     """Output tokens [B, k+1] and accepted counts; with k = 0 this is plain sampling."""
     if spec.k == 0:
         token = sampling.sample(logits[:, 0], rows.temperature, rows.top_k, rows.top_p, rows.min_p,
-                                rows.seed, position)
+                                rows.seed, position, greedy_only=spec.greedy)
         return token[:, None], jnp.zeros_like(position)
     return rejection_sample(logits, drafts, draft_probs, rows.temperature, rows.top_k, rows.top_p,
-                            rows.min_p, rows.seed, position, synthetic_rates=synthetic_rates)
+                            rows.min_p, rows.seed, position, synthetic_rates=synthetic_rates,
+                            greedy_only=spec.greedy)
 
 
 def _budget(state: LoopState, rows: RowParams, spec: LoopSpec) -> jax.Array:

@@ -93,7 +93,8 @@ def _check_shapes(target_logits, draft_tokens, draft_probs, synthetic_rates) -> 
 def rejection_sample(target_logits: jax.Array, draft_tokens: jax.Array,
                      draft_probs: jax.Array | None, temperature: jax.Array, top_k: jax.Array,
                      top_p: jax.Array, min_p: jax.Array, seed: jax.Array, position: jax.Array,
-                     synthetic_rates: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                     synthetic_rates: jax.Array | None = None,
+                     greedy_only: bool = False) -> tuple[jax.Array, jax.Array]:
     """Verify K drafts per row; return (out_tokens [B, K+1] int32, num_accepted [B] int32).
 
     target_logits [B, K+1, V] f32: the target's logits at output slots 0..K.
@@ -105,6 +106,7 @@ def rejection_sample(target_logits: jax.Array, draft_tokens: jax.Array,
     and the target's own token (argmax or a draw from p) is emitted at the first rejection.
     Out slots 0..num_accepted-1 hold the accepted drafts, slot num_accepted the
     recovered / bonus token, later slots -1.
+    greedy_only (static): every row is greedy; the target's distribution is then never built.
     """
     _check_shapes(target_logits, draft_tokens, draft_probs, synthetic_rates)
     batch, k = draft_tokens.shape
@@ -115,17 +117,22 @@ def rejection_sample(target_logits: jax.Array, draft_tokens: jax.Array,
     drafts = jnp.where(has_draft, drafts, 0)
     greedy = is_greedy(temperature)
 
-    target_probs = processed_probs(target_logits, temperature, top_k, top_p, min_p)
     target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
     slot_positions = position[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
     u = uniform(row_key(seed, slot_positions, ACCEPT))
-
     if synthetic_rates is None:
-        random_accepts = _standard_accepts(target_probs, drafts, has_draft, draft_probs, u)
         greedy_accepts = has_draft & (drafts == target_argmax[:, :k])
     else:
-        rates = jnp.asarray(synthetic_rates, jnp.float32)[None, :]
-        random_accepts = greedy_accepts = has_draft & (u < rates)
+        greedy_accepts = has_draft & (u < jnp.asarray(synthetic_rates, jnp.float32)[None, :])
+    if greedy_only:
+        num_accepted = _accepted_prefix_length(greedy_accepts)
+        return _emit(drafts, num_accepted, _gather_slot(target_argmax, num_accepted)), num_accepted
+
+    target_probs = processed_probs(target_logits, temperature, top_k, top_p, min_p)
+    if synthetic_rates is None:
+        random_accepts = _standard_accepts(target_probs, drafts, has_draft, draft_probs, u)
+    else:
+        random_accepts = greedy_accepts
     accepts = jnp.where(greedy[:, None], greedy_accepts, random_accepts)
     num_accepted = _accepted_prefix_length(accepts)
 

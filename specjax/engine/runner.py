@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 
 from specjax.engine.loop import LoopSpec, build_generate
 from specjax.engine.proposers.base import Proposer
+from specjax.engine.sampling import GREEDY_TEMPERATURE_EPS
 from specjax.engine.state import LoopState, RowParams
 from specjax.parallel import sharded_generate
 from specjax.sampling_params import SamplingParams, to_row_arrays
@@ -54,7 +55,7 @@ class WaveRunner:
         self.eos_token_ids, self.vocab_size, self.seed = tuple(eos_token_ids), vocab_size, seed
         self.synthetic_rates = None if synthetic_rates is None else np.asarray(synthetic_rates, np.float32)
         self.mesh = mesh
-        self._compiled: dict[int, Any] = {}
+        self._compiled: dict[tuple[int, bool], Any] = {}
 
     def waves(self, requests: Sequence[Request]) -> Iterator[list[Request]]:
         for i in range(0, len(requests), self.max_num_seqs):
@@ -63,21 +64,23 @@ class WaveRunner:
     def run_wave(self, wave: Sequence[Request]) -> list[RowResult]:
         n_top = max((_num_top(r.params, self.vocab_size) for r in wave), default=0)
         prompts, lengths, rows, cache_len = self._pack(wave)
-        state = self._generate_fn(n_top)(self.target_state, self.draft_state, prompts, lengths, rows, cache_len,
-                                         self.synthetic_rates)
+        greedy = bool(np.all(rows.temperature < GREEDY_TEMPERATURE_EPS))
+        state = self._generate_fn(n_top, greedy)(self.target_state, self.draft_state, prompts, lengths, rows,
+                                                 cache_len, self.synthetic_rates)
         # Only what the host reads: the KV caches stay on device (and are not addressable from one process
         # when the mesh spans hosts).
         return _unpack(jax.device_get(dataclasses.replace(state, cache=None, proposer=None)), len(wave))
 
-    def _generate_fn(self, n_top: int):
-        """One jitted function per n_top; jit itself caches one executable per shape bucket."""
-        if n_top not in self._compiled:
-            spec = LoopSpec(k=self.proposer.k, n_top=n_top, max_model_len=self.max_model_len)
+    def _generate_fn(self, n_top: int, greedy: bool):
+        """One jitted function per (n_top, all rows greedy); jit itself caches one executable per shape
+        bucket."""
+        if (n_top, greedy) not in self._compiled:
+            spec = LoopSpec(k=self.proposer.k, n_top=n_top, max_model_len=self.max_model_len, greedy=greedy)
             generate = build_generate(self.target_graph, self.proposer, spec)
             if self.mesh is not None:
                 generate = sharded_generate(generate, self.mesh)
-            self._compiled[n_top] = jax.jit(generate, static_argnums=(5,))
-        return self._compiled[n_top]
+            self._compiled[n_top, greedy] = jax.jit(generate, static_argnums=(5,))
+        return self._compiled[n_top, greedy]
 
     def _pack(self, wave: Sequence[Request]) -> tuple[np.ndarray, np.ndarray, RowParams, int]:
         B = min(bucket(len(wave)), self.max_num_seqs)

@@ -136,12 +136,15 @@ def sample_from_probs(probs: jax.Array, keys: jax.Array) -> jax.Array:
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
            min_p: jax.Array, seed: jax.Array, position: jax.Array,
-           purpose: int = SAMPLE) -> jax.Array:
+           purpose: int = SAMPLE, greedy_only: bool = False) -> jax.Array:
     """Next token per row: argmax for greedy rows, a keyed draw from processed_probs otherwise.
 
     logits: [B, V] (or [B, T, V] with position [B, T]); position: the absolute position
-    of the token being chosen. Returns int32 [B] (or [B, T]).
+    of the token being chosen. Returns int32 [B] (or [B, T]). greedy_only (static): the caller knows
+    every row is greedy, so only the argmax is computed (no distribution, no draws, no batch-wide cond).
     """
+    if greedy_only:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     probs = processed_probs(logits, temperature, top_k, top_p, min_p)
     drawn = sample_from_probs(probs, row_key(seed, position, purpose))
     greedy = _per_row(is_greedy(temperature), drawn, bool)

@@ -1,7 +1,11 @@
 """The Llama-family causal LM (Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM2) as a Flax NNX module.
 
-Decoder layers are stored stacked on a leading layer axis and run with one `lax.scan`, so compile time does
-not grow with depth. Each forward pass writes the K/V of its T tokens into the cache and attends over it.
+Two layouts of the decoder layers' weights, one layer function for both: stacked on a leading layer axis
+and run with one `lax.scan` (compile time flat in depth; the default off GPUs), or one weight set per layer
+run unrolled (the GPU default: a matmul reads its own weight buffer, where slicing a stacked leaf inside the
+generate while_loop made XLA copy every layer's weights every step). Checkpoints hold the stacked layout;
+`unstack_layers` turns it into the per-layer one. Each forward pass writes the K/V of its T tokens into the
+cache and attends over it.
 """
 from __future__ import annotations
 
@@ -26,24 +30,56 @@ def _ones(shape: Sequence[int], dtype) -> nnx.Param:
     return nnx.Param(jnp.ones(shape, dtype))
 
 
-class DecoderLayers(nnx.Module):
-    """All decoder layers' weights, each leaf stacked on axis 0 over layers; matrices stored [in, out]."""
+class DecoderWeights(nnx.Module):
+    """Decoder layer weights, matrices stored [in, out]. `lead=(L,)` stacks every leaf over L layers on
+    axis 0; `lead=()` holds one layer."""
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        L, H, I, D = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, lead: tuple[int, ...] = ()):
+        H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
-        self.attn_norm, self.mlp_norm = _ones((L, H), dtype), _ones((L, H), dtype)
-        self.wq, self.wk, self.wv = _init(rngs, (L, H, q), dtype), _init(rngs, (L, H, kv), dtype), _init(rngs, (L, H, kv), dtype)
-        self.wo = _init(rngs, (L, q, H), dtype)
-        if cfg.attention_bias:
-            self.bq, self.bk, self.bv = _init(rngs, (L, q), dtype), _init(rngs, (L, kv), dtype), _init(rngs, (L, kv), dtype)
-        if cfg.qk_norm:
-            self.q_norm, self.k_norm = _ones((L, D), dtype), _ones((L, D), dtype)
-        self.w_gate, self.w_up = _init(rngs, (L, H, I), dtype), _init(rngs, (L, H, I), dtype)
-        self.w_down = _init(rngs, (L, I, H), dtype)
 
-    def stacked(self) -> dict[str, jax.Array]:
+        def init(*shape):
+            return _init(rngs, lead + shape, dtype)
+
+        def ones(*shape):
+            return _ones(lead + shape, dtype)
+
+        self.attn_norm, self.mlp_norm = ones(H), ones(H)
+        self.wq, self.wk, self.wv, self.wo = init(H, q), init(H, kv), init(H, kv), init(q, H)
+        if cfg.attention_bias:
+            self.bq, self.bk, self.bv = init(q), init(kv), init(kv)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = ones(D), ones(D)
+        self.w_gate, self.w_up, self.w_down = init(H, I), init(H, I), init(I, H)
+
+    def arrays(self) -> dict[str, jax.Array]:
         return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
+
+
+def unstack_layers(params: dict, num_layers: int) -> dict:
+    """A checkpoint's param tree (stacked layer leaves) in the per-layer layout: {"layers": {i: {...}}}.
+    Consumes `params`: each stacked leaf is dropped from it once split, so the device holds at most one
+    leaf twice."""
+    stacked = params.pop("layers")
+    layers: dict[int, dict[str, jax.Array]] = {i: {} for i in range(num_layers)}
+    for name in list(stacked):
+        leaf = stacked.pop(name)
+        for i in range(num_layers):
+            layers[i][name] = leaf[i]
+        del leaf
+    return {**params, "layers": layers}
+
+
+def stack_layers(params: dict) -> dict:
+    """The per-layer param tree stacked back into the checkpoint layout (a copy of the layer weights)."""
+    layers = params["layers"]
+    names = layers[0].keys()
+    return {**params, "layers": {name: jnp.stack([layers[i][name] for i in range(len(layers))]) for name in names}}
+
+
+def default_unroll() -> bool:
+    """Unrolled per-layer weights on GPUs, stacked and scanned elsewhere (CPU compile time stays flat)."""
+    return jax.default_backend() == "gpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,12 +93,12 @@ class LlamaForCausalLM(nnx.Module):
                  unroll_layers: bool | None = None):
         self.cfg = cfg
         self.attention_impl = attention_impl
-        # Scanning stacked layers keeps compile time flat in depth, but on GPU XLA copies each layer's weight
-        # slice before its matmuls (3x the bytes: 13.0 ms vs 6.25 ms unrolled for an 8B decode step on an
-        # H200), so the default unrolls there and scans elsewhere.
-        self.unroll_layers = jax.default_backend() == "gpu" if unroll_layers is None else unroll_layers
+        self.unroll_layers = default_unroll() if unroll_layers is None else unroll_layers
         self.embed = _init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
-        self.layers = DecoderLayers(cfg, dtype, rngs)
+        if self.unroll_layers:
+            self.layers = nnx.List([DecoderWeights(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        else:
+            self.layers = DecoderWeights(cfg, dtype, rngs, lead=(cfg.num_layers,))
         self.final_norm = _ones((cfg.hidden_size,), dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _init(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
@@ -78,10 +114,16 @@ class LlamaForCausalLM(nnx.Module):
         positions = start[:, None] + jnp.arange(T, dtype=start.dtype)[None, :]
         h = self.embed[...][tokens]
         layer_fn = self._layer_fn(positions, start)
-        (h, k, v), entering = jax.lax.scan(
-            layer_fn, (h, cache.k, cache.v),
-            (self.layers.stacked(), jnp.arange(self.cfg.num_layers, dtype=jnp.int32)),
-            unroll=self.unroll_layers)
+        carry = (h, cache.k, cache.v)
+        if self.unroll_layers:
+            entering = []
+            for i, weights in enumerate(self.layers):
+                carry, h_in = layer_fn(carry, (weights.arrays(), i))
+                entering.append(h_in)
+        else:
+            layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+            carry, entering = jax.lax.scan(layer_fn, carry, (self.layers.arrays(), layer_ids))
+        h, k, v = carry
         captured = None
         if capture_layers:
             captured = jnp.concatenate([entering[i] for i in capture_layers], axis=-1)

@@ -20,6 +20,8 @@ from specjax.engine.loop import LoopSpec, build_generate
 from specjax.engine.proposers.base import TargetPass
 from specjax.engine.runner import bucket
 from specjax.engine.state import RowParams
+from specjax.models.llama import stack_layers
+from specjax.models.registry import build_model
 from specjax.training.features import FeatureWriter
 
 
@@ -64,13 +66,14 @@ def record(llm: Any, prompt_ids: Sequence[list[int]], max_new_tokens: int, aux_l
     cfg = llm.model_config
     recorder = FeatureRecorder(aux_layer_ids, cfg.hidden_size)
     spec = LoopSpec(k=0, n_top=0, max_model_len=llm.max_model_len)
-    generate = jax.jit(build_generate(_scanned(llm.target_graph, llm.params), recorder, spec), static_argnums=5)
+    graph, params = _scanned(llm)
+    generate = jax.jit(build_generate(graph, recorder, spec), static_argnums=5)
     stop_ids = sorted({*cfg.eos_token_ids, llm.get_tokenizer().eos_token_id} - {None}) or [-1]
     with tqdm(total=len(prompt_ids), initial=writer.num_examples, desc="target responses + hidden states") as bar:
         for begin in range(writer.num_examples, len(prompt_ids), batch):
             wave = prompt_ids[begin:begin + batch]
             prompts, lengths, cache_len = _pack(wave, batch, max_new_tokens, llm.max_model_len)
-            state = generate(llm.params, None, prompts, lengths, _greedy_rows(batch, len(wave), max_new_tokens,
+            state = generate(params, None, prompts, lengths, _greedy_rows(batch, len(wave), max_new_tokens,
                                                                                 stop_ids), cache_len)
             state = jax.device_get(state)
             for row, prompt in enumerate(wave):
@@ -84,14 +87,18 @@ def record(llm: Any, prompt_ids: Sequence[list[int]], max_new_tokens: int, aux_l
             bar.update(len(wave))
 
 
-def _scanned(graph: nnx.GraphDef, params: Any) -> nnx.GraphDef:
-    """The target's graph with its layers scanned. Recording runs large batches, and unrolled layers put
-    batch x layers KV-cache row writes into the compiled loop (at batch 256 an H200 run finished no wave in
-    9 minutes, most likely still compiling); scanned, the loop body holds one layer's writes, and the
-    weight-slice copies scanning costs are small next to a batch-256 step."""
-    model = nnx.merge(graph, params)
-    model.unroll_layers = False
-    return nnx.split(model)[0]
+def _scanned(llm: Any) -> tuple[nnx.GraphDef, Any]:
+    """The target with its layers stacked and scanned (graph, params). Recording runs large batches, and
+    unrolled layers put batch x layers KV-cache row writes into the compiled loop (at batch 256 an H200 run
+    finished no wave in 9 minutes, most likely still compiling); scanned, the loop body holds one layer's
+    writes, and the weight-slice copies scanning costs are small next to a batch-256 step. Unrolled weights
+    are stacked into a copy for this."""
+    model = nnx.merge(llm.target_graph, llm.params)
+    if not model.unroll_layers:
+        return llm.target_graph, llm.params
+    scanned = build_model(llm.model_config, stack_layers(nnx.to_pure_dict(llm.params)),
+                          attention_impl=model.attention_impl, unroll_layers=False)
+    return nnx.split(scanned)
 
 
 def _pack(wave: Sequence[list[int]], batch: int, max_new_tokens: int, max_model_len: int):

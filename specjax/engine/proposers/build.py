@@ -33,8 +33,8 @@ class NgramProposer(IgnoresTarget):
 
 
 def build_proposer(spec: "config_lib.SpeculativeConfig | None", target_cfg: ModelConfig, dtype,
-                   *, attention_impl: str = "auto", target_params: Any = None,
-                   mesh: Mesh | None = None) -> tuple[Proposer, Any]:
+                   *, attention_impl: str = "auto", unroll_layers: bool | None = None,
+                   target_params: Any = None, mesh: Mesh | None = None) -> tuple[Proposer, Any]:
     """target_params: the target's param tree; EAGLE heads share its embedding / lm_head where they lack one.
     mesh: the target's tensor-parallel mesh; a draft model is placed on it (replicated when
     draft_tensor_parallel_size is 1, split like the target when equal), an EAGLE head replicated."""
@@ -48,7 +48,7 @@ def build_proposer(spec: "config_lib.SpeculativeConfig | None", target_cfg: Mode
         config_lib.check_draft_compatible(target_cfg, draft_cfg)
         shardings = parallel.draft_shardings(draft_cfg, mesh, spec.draft_tensor_parallel_size)
         draft = build_model(draft_cfg, load_checkpoint(path, draft_cfg, dtype, shardings),
-                            attention_impl=attention_impl)
+                            attention_impl=attention_impl, unroll_layers=unroll_layers)
         graph, state = nnx.split(draft)
         proposer = DraftModelProposer(graph, spec.num_speculative_tokens,
                                       probabilistic=spec.draft_sample_method == "probabilistic")
