@@ -15,7 +15,7 @@ from checkpoints_conv.eagle_loader import load_eagle_head
 from checkpoints_conv.eagle_writer import save_eagle3_head
 from specjax.models.kv_cache import init_cache
 from specjax.models.model_config import ModelConfig
-from specjax.models.registry import random_model
+from specjax.models.registry import build_model, random_model
 from specjax.training import data as data_lib
 from specjax.training.__main__ import main
 from specjax.training.features import FeatureWriter, open_features
@@ -66,6 +66,22 @@ def test_recorded_features_are_a_teacher_forced_target_pass(tiny_target, recorde
         # The response is the target's greedy continuation.
         logits = target.logits(hidden[0, len(prompt) - 1:-1])
         assert np.array_equal(np.argmax(logits, -1), tokens[len(prompt):])
+
+
+def test_an_unrolled_target_records_what_the_scanned_one_does(tiny_target, recorded, tmp_path):
+    """The GPU layout (per-layer weights, unrolled) is stacked into a scanned copy for recording: the same
+    responses and features as recording the scanned target."""
+    store, prompts = recorded
+    stacked = nnx.to_pure_dict(jax.tree.map(jnp.copy, tiny_target[1]))
+    graph, params = nnx.split(build_model(TINY_CFG, stacked, unroll_layers=True))
+    llm = types.SimpleNamespace(model_config=TINY_CFG, max_model_len=64, target_graph=graph, params=params,
+                                get_tokenizer=lambda: types.SimpleNamespace(eos_token_id=2))
+    writer = FeatureWriter(tmp_path, 200, TINY_CFG.hidden_size, AUX)
+    record(llm, prompts, 16, AUX, writer, batch=2)
+    unrolled = open_features(tmp_path)
+    np.testing.assert_array_equal(unrolled.tokens, store.tokens)
+    np.testing.assert_allclose(unrolled.aux, store.aux, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(unrolled.final, store.final, rtol=1e-3, atol=1e-3)
 
 
 def test_training_time_test_attends_as_inference_drafts(tiny_target, recorded):
