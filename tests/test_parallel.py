@@ -274,7 +274,7 @@ def _wave_state(llm):
     wave = [Request(p, GREEDY, i) for i, p in enumerate(PROMPTS)]
     prompts, lengths, rows, cache_len = runner._pack(wave)
     args = (runner.target_state, runner.draft_state, prompts, lengths, rows, cache_len, runner.synthetic_rates)
-    return runner._generate_fn(0), args
+    return runner._generate_fn(0, True), args   # (n_top, all rows greedy)
 
 
 @needs_8
