@@ -46,6 +46,15 @@ def materialised_weights(hlo: str, shapes: set[str]) -> Counter:
     return found
 
 
+def kernels_per_iteration(hlo: str) -> int:
+    """Kernel-launching instructions (fusions, custom calls, copies) in the generate loop's while body: the
+    nodes of the CUDA graph the host submits every iteration (its launch cost grows with them)."""
+    body = re.findall(r"while\(.*body=%([\w.-]+)", hlo)[-1]
+    text = hlo[hlo.index(f"%{body} ("):]
+    text = text[:text.index("\n}\n")]
+    return len(re.findall(r" = \S+ (?:fusion|custom-call|copy)\(", text))
+
+
 def model(cfg, unroll: bool):
     return nnx.split(LlamaForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), unroll_layers=unroll))
 
@@ -81,8 +90,9 @@ def probe_loop(cfg, floor: float, shapes: set[str], trace: bool) -> None:
     out = Path(os.environ.get("OUT") or tempfile.mkdtemp())
     (out / "loop_hlo.txt").write_text(hlo)
     print(f"loop: {1e3 * per_iteration:.2f} ms per iteration, floor {1e3 * floor:.2f} ms, "
-          f"{floor / per_iteration:.0%} of roofline; weight-shaped results: "
-          f"{dict(materialised_weights(hlo, shapes))}; HLO in {out / 'loop_hlo.txt'}", flush=True)
+          f"{floor / per_iteration:.0%} of roofline; {kernels_per_iteration(hlo)} kernels per iteration; "
+          f"weight-shaped results: {dict(materialised_weights(hlo, shapes))}; HLO in {out / 'loop_hlo.txt'}",
+          flush=True)
     if trace:
         folder = Path(tempfile.mkdtemp())
         with jax.profiler.trace(str(folder)):
