@@ -13,14 +13,12 @@ Writes $OUT/bench_transformers.json (or benchmarks/results/).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import transformers
 
 from benchmarks.bench_engine import smoke_configs
-from benchmarks.common import LLAMA31_8B, LLAMA32_1B, print_table, write_json
+from benchmarks.common import LLAMA31_8B, LLAMA32_1B, median_time, print_table, write_json
 from specjax.models.model_config import ModelConfig
 
 PROMPT_LEN = 128
@@ -43,7 +41,7 @@ def random_model(cfg: ModelConfig, device: str) -> torch.nn.Module:
 
 def timed_generate(model, prompts: torch.Tensor, new_tokens: int, repeats: int, **kwargs) -> float:
     """Median seconds of one greedy generate of exactly new_tokens tokens per row, after two warm-ups."""
-    def run():
+    def run() -> None:
         with torch.no_grad():
             out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, do_sample=False, top_p=None, top_k=None,
@@ -52,14 +50,7 @@ def timed_generate(model, prompts: torch.Tensor, new_tokens: int, repeats: int, 
         if prompts.is_cuda:
             torch.cuda.synchronize()
 
-    for _ in range(2):
-        run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_time(run, repeats=repeats)
 
 
 def main() -> None:
