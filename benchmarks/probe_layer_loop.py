@@ -31,7 +31,7 @@ CONTEXT, NEW_TOKENS = 1024, 128
 
 def weight_shapes(cfg) -> set[str]:
     H, I, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return {f"bf16[{a},{b}]" for a, b in [(H, q), (H, kv), (q, H), (H, I), (I, H)]}
+    return {f"bf16[{a},{b}]" for a, b in [(H, q + 2 * kv), (q, H), (H, 2 * I), (I, H)]}
 
 
 def materialised_weights(hlo: str, shapes: set[str]) -> Counter:

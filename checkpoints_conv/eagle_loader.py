@@ -29,6 +29,7 @@ from flax import nnx
 
 from safetensors import safe_open
 
+from checkpoints_conv.fused_columns import interleave_columns
 from checkpoints_conv.safetensors_loader import resolve_dtype, tensor_files
 
 if TYPE_CHECKING:  # specjax imports this package at import time; runtime imports back are made in functions
@@ -253,19 +254,20 @@ def _layer_params(cfg: EagleConfig, i: int, read) -> dict:
     first3 = cfg.method == "eagle3" and i == 0
     in_features = 2 * H if first3 else H
     p, attn = f"layers.{i}.", f"layers.{i}.self_attn."
+    def fused(parts: list[tuple[str, tuple[int, ...]]], groups: int, transpose: bool = False) -> jax.Array:
+        return jnp.asarray(interleave_columns([np.asarray(read(name, shape, transpose)) for name, shape in parts],
+                                              groups))
+
+    qkv = [attn + "q_proj.", attn + "k_proj.", attn + "v_proj."]
     out = {
-        "wq": read(attn + "q_proj.weight", (in_features, q), True),
-        "wk": read(attn + "k_proj.weight", (in_features, kv), True),
-        "wv": read(attn + "v_proj.weight", (in_features, kv), True),
+        "w_qkv": fused([(n + "weight", (in_features, w)) for n, w in zip(qkv, (q, kv, kv))], c.num_kv_heads, True),
         "wo": read(attn + "o_proj.weight", (q, H), True),
         "mlp_norm": read(p + "post_attention_layernorm.weight", (H,)),
-        "w_gate": read(p + "mlp.gate_proj.weight", (H, I), True),
-        "w_up": read(p + "mlp.up_proj.weight", (H, I), True),
+        "w_gate_up": fused([(p + "mlp.gate_proj.weight", (H, I)), (p + "mlp.up_proj.weight", (H, I))], I, True),
         "w_down": read(p + "mlp.down_proj.weight", (I, H), True),
     }
     if c.attention_bias:
-        out.update(bq=read(attn + "q_proj.bias", (q,)), bk=read(attn + "k_proj.bias", (kv,)),
-                   bv=read(attn + "v_proj.bias", (kv,)))
+        out["b_qkv"] = fused([(n + "bias", (w,)) for n, w in zip(qkv, (q, kv, kv))], c.num_kv_heads)
     if cfg.method == "eagle3" or i > 0:   # EAGLE-1's first layer has no input norm
         out["attn_norm"] = read(p + "input_layernorm.weight", (H,))
     if first3:

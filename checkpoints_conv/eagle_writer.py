@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 from safetensors.numpy import save_file
 
+from checkpoints_conv.fused_columns import split_columns
+
 if TYPE_CHECKING:  # specjax imports this package at import time
     from specjax.models.eagle import EagleHead
 
@@ -51,19 +53,24 @@ def _published_tensors(head: EagleHead) -> dict[str, np.ndarray]:
     def vector(var) -> np.ndarray:
         return np.asarray(var[...], np.float32)
 
+    def unfused(var, sizes: tuple[int, ...], groups: int) -> list[np.ndarray]:
+        return [np.asarray(part, np.float32) for part in split_columns(var[...], sizes, groups)]
+
+    c = head.cfg.layers
+    q, kv, I = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
     p, attn = "midlayer.", "midlayer.self_attn."
+    qkv = [attn + "q_proj.", attn + "k_proj.", attn + "v_proj."]
     tensors = {
         "fc.weight": matrix(head.fc), "norm.weight": vector(head.norm), "lm_head.weight": matrix(head.lm_head),
-        attn + "q_proj.weight": matrix(layer.wq), attn + "k_proj.weight": matrix(layer.wk),
-        attn + "v_proj.weight": matrix(layer.wv), attn + "o_proj.weight": matrix(layer.wo),
-        p + "mlp.gate_proj.weight": matrix(layer.w_gate), p + "mlp.up_proj.weight": matrix(layer.w_up),
-        p + "mlp.down_proj.weight": matrix(layer.w_down), p + "input_layernorm.weight": vector(layer.attn_norm),
-        p + "hidden_norm.weight": vector(layer.hidden_norm),
+        attn + "o_proj.weight": matrix(layer.wo), p + "mlp.down_proj.weight": matrix(layer.w_down),
+        p + "input_layernorm.weight": vector(layer.attn_norm), p + "hidden_norm.weight": vector(layer.hidden_norm),
         p + "post_attention_layernorm.weight": vector(layer.mlp_norm),
     }
-    if head.cfg.layers.attention_bias:
-        tensors.update({attn + "q_proj.bias": vector(layer.bq), attn + "k_proj.bias": vector(layer.bk),
-                        attn + "v_proj.bias": vector(layer.bv)})
+    tensors.update({n + "weight": w.T for n, w in zip(qkv, unfused(layer.w_qkv, (q, kv, kv), c.num_kv_heads))})
+    gate, up = unfused(layer.w_gate_up, (I, I), I)
+    tensors.update({p + "mlp.gate_proj.weight": gate.T, p + "mlp.up_proj.weight": up.T})
+    if c.attention_bias:
+        tensors.update({n + "bias": b for n, b in zip(qkv, unfused(layer.b_qkv, (q, kv, kv), c.num_kv_heads))})
     if head.cfg.fc_bias:
         tensors["fc.bias"] = vector(head.fc_bias)
     return tensors

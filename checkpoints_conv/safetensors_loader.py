@@ -18,6 +18,8 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from checkpoints_conv.fused_columns import interleave_columns
+
 if TYPE_CHECKING:  # specjax imports this package at import time; a runtime import back would be circular
     from specjax.models.model_config import ModelConfig
 
@@ -33,52 +35,57 @@ DTYPES: dict[str, np.dtype] = {
 
 @dataclasses.dataclass(frozen=True)
 class LeafSpec:
-    """Where one leaf of the tree comes from in an HF checkpoint."""
-    hf_name: str              # per-layer tensors carry an "{i}" placeholder for the layer index
-    shape: tuple[int, ...]    # the leaf's shape in the tree (stacked leaves lead with num_layers)
-    transpose: bool           # HF Linear weights are [out, in]; the tree stores [in, out]
+    """Where one leaf of the tree comes from in an HF checkpoint: one tensor, or several fused side by side
+    on the last axis in `groups` interleaved groups (specjax.models.layers.interleave_columns)."""
+    hf_names: tuple[str, ...]  # per-layer tensors carry an "{i}" placeholder for the layer index
+    shape: tuple[int, ...]     # the leaf's shape in the tree (stacked leaves lead with num_layers)
+    transpose: bool            # HF Linear weights are [out, in]; the tree stores [in, out]
+    widths: tuple[int, ...] = ()   # each fused tensor's share of the last axis (one tensor: all of it)
+    groups: int = 1
 
     @property
     def stacked(self) -> bool:
-        return "{i}" in self.hf_name
+        return "{i}" in self.hf_names[0]
 
-    @property
-    def hf_shape(self) -> tuple[int, ...]:
-        """The shape of one HF tensor feeding this leaf (one layer's slice for stacked leaves)."""
+    def hf_shapes(self) -> list[tuple[int, ...]]:
+        """The shape of each HF tensor feeding this leaf (one layer's slice for stacked leaves)."""
         shape = self.shape[1:] if self.stacked else self.shape
-        return tuple(reversed(shape)) if self.transpose else shape
+        parts = [shape[:-1] + (width,) for width in self.widths or shape[-1:]]
+        return [tuple(reversed(part)) if self.transpose else part for part in parts]
+
+
+def _fused(names: tuple[str, ...], lead: tuple[int, ...], widths: tuple[int, ...], groups: int,
+           transpose: bool) -> LeafSpec:
+    return LeafSpec(names, lead + (sum(widths),), transpose, widths, groups)
 
 
 def hf_name_map(cfg: ModelConfig) -> dict[str, LeafSpec]:
-    """Tree path ("layers/wq", ...) -> LeafSpec for a Llama-family config (Llama, Mistral, Qwen2, Qwen3)."""
+    """Tree path ("layers/w_qkv", ...) -> LeafSpec for a Llama-family config (Llama, Mistral, Qwen2, Qwen3).
+    q/k/v are fused with one group per kv head, gate/up with one group per intermediate column."""
     if cfg.architecture not in LLAMA_FAMILY:
         raise ValueError(f"architecture {cfg.architecture!r} has no safetensors weight map; supported: "
                          f"{', '.join(LLAMA_FAMILY)}")
     L, H, I, D, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.vocab_size
     q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
     attn, mlp = "model.layers.{i}.self_attn", "model.layers.{i}.mlp"
+    qkv = (f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj")
     specs = {
-        "embed": LeafSpec("model.embed_tokens.weight", (V, H), False),
-        "layers/attn_norm": LeafSpec("model.layers.{i}.input_layernorm.weight", (L, H), False),
-        "layers/mlp_norm": LeafSpec("model.layers.{i}.post_attention_layernorm.weight", (L, H), False),
-        "layers/wq": LeafSpec(f"{attn}.q_proj.weight", (L, H, q), True),
-        "layers/wk": LeafSpec(f"{attn}.k_proj.weight", (L, H, kv), True),
-        "layers/wv": LeafSpec(f"{attn}.v_proj.weight", (L, H, kv), True),
-        "layers/wo": LeafSpec(f"{attn}.o_proj.weight", (L, q, H), True),
-        "layers/w_gate": LeafSpec(f"{mlp}.gate_proj.weight", (L, H, I), True),
-        "layers/w_up": LeafSpec(f"{mlp}.up_proj.weight", (L, H, I), True),
-        "layers/w_down": LeafSpec(f"{mlp}.down_proj.weight", (L, I, H), True),
-        "final_norm": LeafSpec("model.norm.weight", (H,), False),
+        "embed": LeafSpec(("model.embed_tokens.weight",), (V, H), False),
+        "layers/attn_norm": LeafSpec(("model.layers.{i}.input_layernorm.weight",), (L, H), False),
+        "layers/mlp_norm": LeafSpec(("model.layers.{i}.post_attention_layernorm.weight",), (L, H), False),
+        "layers/w_qkv": _fused(tuple(f"{n}.weight" for n in qkv), (L, H), (q, kv, kv), cfg.num_kv_heads, True),
+        "layers/wo": LeafSpec((f"{attn}.o_proj.weight",), (L, q, H), True),
+        "layers/w_gate_up": _fused((f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), (L, H), (I, I), I, True),
+        "layers/w_down": LeafSpec((f"{mlp}.down_proj.weight",), (L, I, H), True),
+        "final_norm": LeafSpec(("model.norm.weight",), (H,), False),
     }
     if cfg.attention_bias:
-        specs["layers/bq"] = LeafSpec(f"{attn}.q_proj.bias", (L, q), False)
-        specs["layers/bk"] = LeafSpec(f"{attn}.k_proj.bias", (L, kv), False)
-        specs["layers/bv"] = LeafSpec(f"{attn}.v_proj.bias", (L, kv), False)
+        specs["layers/b_qkv"] = _fused(tuple(f"{n}.bias" for n in qkv), (L,), (q, kv, kv), cfg.num_kv_heads, False)
     if cfg.qk_norm:
-        specs["layers/q_norm"] = LeafSpec(f"{attn}.q_norm.weight", (L, D), False)
-        specs["layers/k_norm"] = LeafSpec(f"{attn}.k_norm.weight", (L, D), False)
+        specs["layers/q_norm"] = LeafSpec((f"{attn}.q_norm.weight",), (L, D), False)
+        specs["layers/k_norm"] = LeafSpec((f"{attn}.k_norm.weight",), (L, D), False)
     if not cfg.tie_word_embeddings:
-        specs["lm_head"] = LeafSpec("lm_head.weight", (H, V), True)
+        specs["lm_head"] = LeafSpec(("lm_head.weight",), (H, V), True)
     return specs
 
 
@@ -171,16 +178,21 @@ def _read_tensor(handle, path: Path, name: str, expected: tuple[int, ...]) -> np
 
 
 def _fill_leaf(spec: LeafSpec, read, num_layers: int, dtype: np.dtype) -> np.ndarray:
-    """One host buffer for the leaf, filled tensor by tensor (assignment casts and transposes in place)."""
+    """One host buffer for the leaf, filled layer by layer (assignment casts in place)."""
     buffer = np.empty(spec.shape, dtype)
     if not spec.stacked:
-        tensor = read(spec.hf_name, spec.hf_shape)
-        buffer[...] = tensor.T if spec.transpose else tensor
+        buffer[...] = _read_fused(spec, read, {})
         return buffer
     for i in range(num_layers):
-        tensor = read(spec.hf_name.format(i=i), spec.hf_shape)
-        buffer[i] = tensor.T if spec.transpose else tensor
+        buffer[i] = _read_fused(spec, read, {"i": i})
     return buffer
+
+
+def _read_fused(spec: LeafSpec, read, fields: dict) -> np.ndarray:
+    """The leaf's tensors for one layer, transposed to [in, out] and interleaved when fused."""
+    parts = [read(name.format(**fields), shape) for name, shape in zip(spec.hf_names, spec.hf_shapes())]
+    parts = [part.T if spec.transpose else part for part in parts]
+    return parts[0] if len(parts) == 1 else interleave_columns(parts, spec.groups)
 
 
 def sharding_at(shardings: dict | None, path: str) -> Any:

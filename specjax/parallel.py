@@ -6,12 +6,14 @@ model, each generating for its own slice of the batch rows under shard_map, shar
 tensor_parallel_size devices and one replica, as vLLM's `LLM` does; `build_mesh(tp, devices)` with more
 devices gives len(devices) // tp replicas, which `sharded_generate` runs side by side.
 
-Layout (Megatron-style, as vLLM): q/k/v and gate/up column-parallel (output features split, so each device
-holds whole heads), o and down row-parallel (input features split; XLA all-reduces their outputs),
-embedding and lm_head split over the vocabulary, norms replicated, the KV cache split by kv head. With
-fewer kv heads than devices the K/V projections and the cache are replicated (tp must then be a multiple
-of the kv heads, so each device's q heads share one kv head). A vocabulary not divisible by tp is
-replicated rather than padded.
+Layout (Megatron-style, as vLLM): the fused q/k/v and gate/up weights column-parallel (output features
+split; their columns are grouped by kv head and by intermediate column, so each device holds whole heads
+and matching gate/up columns), o and down row-parallel (input features split; XLA all-reduces their
+outputs), embedding and lm_head split over the vocabulary, norms replicated, the KV cache split by kv head.
+With fewer kv heads than devices the q/k/v projection and the cache are replicated (tp must then be a
+multiple of the kv heads): each device computes every head's projection and attends with its own q heads
+(vLLM instead gives each device its q heads and one copy of their kv head). A vocabulary not divisible by
+tp is replicated rather than padded.
 
 XLA's partitioner (GSPMD) places the collectives these layouts imply: one all-reduce after each of o and
 down, one after the vocabulary-parallel embedding lookup, and one all-gather of the vocabulary-parallel
@@ -40,8 +42,8 @@ DATA_AXIS = "data"
 
 # Leaf name -> which axis of the leaf is split over "model", counted from the end so that it holds for
 # stacked layer leaves (leading layer axis) and per-layer ones alike; matrices are [in, out].
-_COLUMN_PARALLEL = {"wq": -1, "w_gate": -1, "w_up": -1, "bq": -1}
-_KV_COLUMN_PARALLEL = {"wk": -1, "wv": -1, "bk": -1, "bv": -1}
+_COLUMN_PARALLEL = {"w_gate_up": -1}
+_KV_COLUMN_PARALLEL = {"w_qkv": -1, "b_qkv": -1}
 _ROW_PARALLEL = {"wo": -2, "w_down": -2}
 _VOCAB_PARALLEL = {"embed": -2, "lm_head": -1}
 _REPLICATED = {"attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm"}
@@ -73,6 +75,22 @@ def traced_with(layout: Layout | None) -> Iterator[None]:
 
 def current_layout() -> Layout | None:
     return _LAYOUT.get()
+
+
+def pin_heads(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q, k, v [B, T, heads, D] pinned to the layout the model is traced under: q split by head, k and v by
+    kv head, or whole when there are fewer kv heads than devices. Without the pin XLA splits k and v like q
+    in that case (all three are slices of one fused projection) and carries the KV cache split that way
+    through the loop, resharding it for attention every step."""
+    layout = current_layout()
+    if layout is None or layout.head_axis is None:
+        return q, k, v
+    kv_axis = layout.head_axis if shards_kv_heads(k.shape[2], layout.mesh.shape[layout.head_axis]) else None
+
+    def pin(x: jax.Array, axis: str | None) -> jax.Array:
+        return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, P(None, None, axis, None)))
+
+    return pin(q, layout.head_axis), pin(k, kv_axis), pin(v, kv_axis)
 
 
 def shards_kv_heads(num_kv_heads: int, num_shards: int) -> bool:
@@ -141,7 +159,7 @@ def check_tensor_parallel(cfg: ModelConfig, tensor_parallel_size: int, *, name: 
 
 
 def leaf_spec(path: str, cfg: ModelConfig, tensor_parallel_size: int) -> P:
-    """The PartitionSpec of the param leaf at `path` ("layers/wq", "embed", or "layers/3/wq" for the
+    """The PartitionSpec of the param leaf at `path` ("layers/w_qkv", "embed", or "layers/3/w_qkv" for the
     per-layer layout of unrolled models)."""
     parts = path.split("/")
     name, layer_index = parts[-1], [p for p in parts if p.isdigit()]

@@ -25,11 +25,20 @@ def hf_tensors(model_dir) -> dict[str, np.ndarray]:
     return tensors
 
 
-def expected_leaf(tensors: dict, hf_name: str, num_layers: int, transpose: bool) -> np.ndarray:
-    if "{i}" not in hf_name:
-        return tensors[hf_name].T if transpose else tensors[hf_name]
-    return np.stack([tensors[hf_name.format(i=i)].T if transpose else tensors[hf_name.format(i=i)]
-                     for i in range(num_layers)])
+def expected_leaf(tensors: dict, spec, num_layers: int) -> np.ndarray:
+    """The leaf built here by hand: each layer's tensors transposed, fused ones interleaved group by group."""
+    def one(fields):
+        parts = [tensors[name.format(**fields)] for name in spec.hf_names]
+        parts = [p.T if spec.transpose else p for p in parts]
+        if len(parts) == 1:
+            return parts[0]
+        lead = parts[0].shape[:-1]
+        return np.concatenate([np.concatenate([p.reshape(*lead, spec.groups, -1)[..., g, :] for p in parts], -1)
+                               for g in range(spec.groups)], axis=-1)
+
+    if not spec.stacked:
+        return one({})
+    return np.stack([one({"i": i}) for i in range(num_layers)])
 
 
 def leaves_by_path(tree: dict) -> dict[str, jax.Array]:
@@ -51,10 +60,10 @@ def test_every_leaf_is_the_renamed_transposed_stacked_hf_tensor(tiny_checkpoint_
     assert set(params) == set(specs)
     used = set()
     for path, spec in specs.items():
-        want = expected_leaf(tensors, spec.hf_name, cfg.num_layers, spec.transpose)
+        want = expected_leaf(tensors, spec, cfg.num_layers)
         assert params[path].shape == spec.shape and params[path].dtype == np.float32, path
         np.testing.assert_array_equal(np.asarray(params[path]), want, err_msg=path)
-        used |= {spec.hf_name.format(i=i) for i in range(cfg.num_layers)}
+        used |= {name.format(i=i) for name in spec.hf_names for i in range(cfg.num_layers)}
     # Every tensor of the checkpoint is used (tied models have no lm_head.weight in the file).
     assert used == set(tensors)
 
@@ -64,10 +73,10 @@ def test_family_specific_leaves(tiny_checkpoint_factory):
         model_dir = tiny_checkpoint_factory(family)
         return set(leaves_by_path(load_params(model_dir, ModelConfig.from_dir(model_dir))))
 
-    assert {"layers/bq", "layers/bk", "layers/bv"} <= paths("qwen2")
+    assert "layers/b_qkv" in paths("qwen2")
     assert {"layers/q_norm", "layers/k_norm"} <= paths("qwen3")
     assert "lm_head" not in paths("qwen2") and "lm_head" not in paths("llama3_tied")
-    assert "lm_head" in paths("llama") and not {"layers/bq", "layers/q_norm"} & paths("llama")
+    assert "lm_head" in paths("llama") and not {"layers/b_qkv", "layers/q_norm"} & paths("llama")
 
 
 @pytest.mark.parametrize("dtype, expected", [("bfloat16", ml_dtypes.bfloat16), ("float16", np.float16),
@@ -92,9 +101,9 @@ def test_bfloat16_checkpoint_reads(tmp_path, tiny_checkpoint_factory):
     (model_dir / "config.json").write_text(json.dumps(config))
     cfg = ModelConfig.from_dir(model_dir)
     params = leaves_by_path(load_params(model_dir, cfg))   # auto -> bfloat16
-    assert params["layers/wq"].dtype == ml_dtypes.bfloat16
-    np.testing.assert_array_equal(np.asarray(params["layers/wq"][1]),
-                                  tensors["model.layers.1.self_attn.q_proj.weight"].T)
+    assert params["layers/wo"].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(np.asarray(params["layers/wo"][1]),
+                                  tensors["model.layers.1.self_attn.o_proj.weight"].T)
 
 
 def test_unknown_dtype_is_rejected(tiny_checkpoint_factory):
@@ -177,12 +186,12 @@ def test_each_leaf_lands_on_its_sharding(tiny_checkpoint_factory):
     cfg = ModelConfig.from_dir(model_dir)
     device = jax.devices()[-1]   # not the default device when several exist (XLA host device count)
     shardings = single_device_shardings(load_params(model_dir, cfg), device)
-    shardings["layers"]["wq"] = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings["layers"]["w_qkv"] = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     params = load_params(model_dir, cfg, shardings=shardings)
     for path, leaf in leaves_by_path(params).items():
         assert leaf.sharding == leaves_by_path(shardings)[path], path
-    del shardings["layers"]["bq"]
-    with pytest.raises(ValueError, match="layers/bq"):
+    del shardings["layers"]["b_qkv"]
+    with pytest.raises(ValueError, match="layers/b_qkv"):
         load_params(model_dir, cfg, shardings=shardings)
 
 

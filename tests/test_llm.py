@@ -245,8 +245,8 @@ def test_unrolled_layers_generate_like_scanned_ones(default_model_dir, tiny_chec
 
     def tokens(unroll: bool, spec):
         llm = LLM(str(dirs["llama"]), max_num_seqs=4, unroll_layers=unroll, speculative_config=spec)
-        assert llm.params["layers"].keys() == ({0, 1} if unroll else {"attn_norm", "mlp_norm", "w_down", "w_gate",
-                                                                    "w_up", "wk", "wo", "wq", "wv"})
+        assert llm.params["layers"].keys() == ({0, 1} if unroll else {"attn_norm", "mlp_norm", "w_down", "w_gate_up",
+                                                                    "w_qkv", "wo"})
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     for spec in (None, draft):

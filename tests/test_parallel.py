@@ -56,9 +56,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 LIMITS = dict(max_model_len=64, max_num_seqs=4)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # Expected split axis of each leaf, written out here rather than read from specjax.parallel.
-SPLIT_AXIS = {"embed": 0, "lm_head": 1, "wq": 2, "wk": 2, "wv": 2, "bq": 1, "bk": 1, "bv": 1, "wo": 1,
-              "w_gate": 2, "w_up": 2, "w_down": 1}
-KV_LEAVES = {"wk", "wv", "bk", "bv"}
+SPLIT_AXIS = {"embed": 0, "lm_head": 1, "w_qkv": 2, "b_qkv": 1, "wo": 1, "w_gate_up": 2, "w_down": 1}
+KV_LEAVES = {"w_qkv", "b_qkv"}
 
 
 # ---------------------------------------------------------------------------------------------- the driver
@@ -222,7 +221,7 @@ def _leaves(state) -> dict[str, jax.Array]:
 def test_each_param_leaf_is_sharded_as_the_layout_says(build, tp):
     llm, _ = build(tp, "none")
     leaves = _leaves(llm.params)
-    assert {"embed", "lm_head", "layers/wq", "layers/wk", "layers/w_down", "final_norm"} <= set(leaves)
+    assert {"embed", "lm_head", "layers/w_qkv", "layers/w_gate_up", "layers/w_down", "final_norm"} <= set(leaves)
     for path, leaf in leaves.items():
         _check_leaf(path, leaf, tp, llm.model_config)
 
@@ -234,7 +233,7 @@ def test_unrolled_per_layer_leaves_are_sharded_and_generate_like_tp1(build, targ
     llm = LLM(str(target_dir), tokenizer=str(default_model_dir), tensor_parallel_size=4, unroll_layers=True,
               **LIMITS)
     leaves = _leaves(llm.params)
-    assert {"layers/0/wq", "layers/1/w_down", "embed"} <= set(leaves)
+    assert {"layers/0/w_qkv", "layers/1/w_down", "embed"} <= set(leaves)
     for path, leaf in leaves.items():
         _check_leaf(path, leaf, 4, llm.model_config)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
@@ -248,7 +247,7 @@ def test_draft_params_are_replicated_or_split_like_the_target(build, draft_dir, 
     llm, _ = build(tp, method)
     cfg = ModelConfig.from_dir(draft_dir)
     leaves = _leaves(llm.draft_params)
-    assert {"embed", "layers/bq", "layers/bk", "layers/wo"} <= set(leaves)  # tied, with q/k/v biases
+    assert {"embed", "layers/b_qkv", "layers/wo"} <= set(leaves)  # tied, with q/k/v biases
     for path, leaf in leaves.items():
         _check_leaf(path, leaf, tp, cfg, replicated=method == "draft_tp1")
 
@@ -261,7 +260,7 @@ def test_an_eagle_head_is_replicated_and_shares_the_targets_split_lm_head(build)
     assert leaves["lm_head"] is llm.params["lm_head"][...]  # EAGLE-1 uses the target's lm_head, still split
     assert leaves["embed"] is llm.params["embed"][...]
     own = {path: leaf for path, leaf in leaves.items() if path not in ("lm_head", "embed")}
-    assert "fc" in own and any(path.endswith("/wq") for path in own)
+    assert "fc" in own and any(path.endswith("/w_qkv") for path in own)
     for path, leaf in own.items():
         assert leaf.sharding.mesh == llm.params["embed"][...].sharding.mesh, path
         assert all(s.data.shape == leaf.shape for s in leaf.addressable_shards) and len(leaf.addressable_shards) == tp
@@ -477,7 +476,7 @@ def test_default_model_at_tp3_equals_tp1(default_model_dir):
         outs[tp] = llm.generate(prompts, params, use_tqdm=False)
     assert _tokens(outs[3]) == _tokens(outs[1])
     assert _accepted(outs[3]) == _accepted(outs[1])
-    assert llm.params["layers"]["wk"].addressable_shards[0].data.shape == (30, 576, 64)
+    assert llm.params["layers"]["w_qkv"].addressable_shards[0].data.shape == (30, 576, (576 + 2 * 192) // 3)
 
 
 # ------------------------------------------------------------------------------------------- multi-host

@@ -22,7 +22,7 @@ from flax import nnx
 
 from specjax.kernels.attention import attention
 from specjax.models.kv_cache import KVCache, write_layer
-from specjax.models.layers import apply_rope, rms_norm, rope_inv_freq, swiglu_mlp
+from specjax.models.layers import apply_rope, qkv_projection, rms_norm, rope_inv_freq, swiglu_mlp
 from specjax.models.model_config import ModelConfig
 
 Method = Literal["eagle", "eagle3"]
@@ -87,14 +87,12 @@ class HeadLayer(nnx.Module):
             self.attn_norm = _ones((H,), dtype)
         if hidden_norm:
             self.hidden_norm = _ones((H,), dtype)
-        self.wq, self.wk, self.wv = (_init(rngs, (in_features, q), dtype), _init(rngs, (in_features, kv), dtype),
-                                     _init(rngs, (in_features, kv), dtype))
+        self.w_qkv = _init(rngs, (in_features, q + 2 * kv), dtype)
         if cfg.attention_bias:
-            self.bq, self.bk, self.bv = _init(rngs, (q,), dtype), _init(rngs, (kv,), dtype), _init(rngs, (kv,), dtype)
+            self.b_qkv = _init(rngs, (q + 2 * kv,), dtype)
         self.wo = _init(rngs, (q, H), dtype)
         self.mlp_norm = _ones((H,), dtype)
-        self.w_gate, self.w_up, self.w_down = (_init(rngs, (H, I), dtype), _init(rngs, (H, I), dtype),
-                                               _init(rngs, (I, H), dtype))
+        self.w_gate_up, self.w_down = _init(rngs, (H, 2 * I), dtype), _init(rngs, (I, H), dtype)
 
 
 class EagleHead(nnx.Module):
@@ -201,13 +199,10 @@ class EagleHead(nnx.Module):
                inv_freq, attend: Attend) -> jax.Array:
         cfg = self.cfg.layers
         B, T = positions.shape
-        q, k, v = x @ layer.wq[...], x @ layer.wk[...], x @ layer.wv[...]
-        if cfg.attention_bias:
-            q, k, v = q + layer.bq[...], k + layer.bk[...], v + layer.bv[...]
-        q = apply_rope(q.reshape(B, T, cfg.num_heads, cfg.head_dim), positions, inv_freq)
-        k = apply_rope(k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
-        v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        bias = layer.b_qkv[...] if cfg.attention_bias else None
+        q, k, v = qkv_projection(x, layer.w_qkv[...], bias, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         h = residual + attend(index, q, k, v).reshape(B, T, -1) @ layer.wo[...]
         mlp_in = rms_norm(h, layer.mlp_norm[...], cfg.rms_norm_eps)
-        return h + swiglu_mlp(mlp_in, layer.w_gate[...], layer.w_up[...], layer.w_down[...])
+        return h + swiglu_mlp(mlp_in, layer.w_gate_up[...], layer.w_down[...])
 

@@ -1,4 +1,5 @@
-"""Building blocks shared by the Llama family: RMSNorm, rotary embeddings (with llama3 scaling), SwiGLU MLP."""
+"""Building blocks shared by the Llama family: RMSNorm, rotary embeddings (with llama3 scaling), fused
+projection weights, SwiGLU MLP."""
 from __future__ import annotations
 
 import math
@@ -6,6 +7,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from checkpoints_conv.fused_columns import split_columns
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -53,5 +56,20 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
-def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+def qkv_projection(x: jax.Array, w_qkv: jax.Array, b_qkv: jax.Array | None, num_heads: int, num_kv_heads: int,
+                   head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [..., Hq, D], k and v [..., Hkv, D] from one matmul with the fused q/k/v weights (one group per kv
+    head, checkpoints_conv.fused_columns)."""
+    qkv = x @ w_qkv if b_qkv is None else x @ w_qkv + b_qkv
+    q, k, v = split_columns(qkv, (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim),
+                            num_kv_heads)
+    lead = x.shape[:-1]
+    return (q.reshape(*lead, num_heads, head_dim), k.reshape(*lead, num_kv_heads, head_dim),
+            v.reshape(*lead, num_kv_heads, head_dim))
+
+
+def swiglu_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """SwiGLU with gate and up fused column by column ([H, 2I], checkpoints_conv.fused_columns)."""
+    intermediate = w_down.shape[0]
+    gate, up = split_columns(x @ w_gate_up, (intermediate, intermediate), intermediate)
+    return (jax.nn.silu(gate) * up) @ w_down

@@ -18,8 +18,9 @@ from flax import nnx
 
 from specjax.kernels.attention import attention
 from specjax.models.kv_cache import KVCache, write_layer
-from specjax.models.layers import apply_rope, rms_norm, rope_inv_freq, swiglu_mlp
+from specjax.models.layers import apply_rope, qkv_projection, rms_norm, rope_inv_freq, swiglu_mlp
 from specjax.models.model_config import ModelConfig
+from specjax.parallel import pin_heads
 
 
 def _init(rngs: nnx.Rngs, shape: Sequence[int], dtype) -> nnx.Param:
@@ -31,8 +32,8 @@ def _ones(shape: Sequence[int], dtype) -> nnx.Param:
 
 
 class DecoderWeights(nnx.Module):
-    """Decoder layer weights, matrices stored [in, out]. `lead=(L,)` stacks every leaf over L layers on
-    axis 0; `lead=()` holds one layer."""
+    """Decoder layer weights, matrices stored [in, out], q/k/v and gate/up fused (layers.interleave_columns).
+    `lead=(L,)` stacks every leaf over L layers on axis 0; `lead=()` holds one layer."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, lead: tuple[int, ...] = ()):
         H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -45,12 +46,12 @@ class DecoderWeights(nnx.Module):
             return _ones(lead + shape, dtype)
 
         self.attn_norm, self.mlp_norm = ones(H), ones(H)
-        self.wq, self.wk, self.wv, self.wo = init(H, q), init(H, kv), init(H, kv), init(q, H)
+        self.w_qkv, self.wo = init(H, q + 2 * kv), init(q, H)
         if cfg.attention_bias:
-            self.bq, self.bk, self.bv = init(q), init(kv), init(kv)
+            self.b_qkv = init(q + 2 * kv)
         if cfg.qk_norm:
             self.q_norm, self.k_norm = ones(D), ones(D)
-        self.w_gate, self.w_up, self.w_down = init(H, I), init(H, I), init(I, H)
+        self.w_gate_up, self.w_down = init(H, 2 * I), init(I, H)
 
     def arrays(self) -> dict[str, jax.Array]:
         return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
@@ -140,25 +141,19 @@ class LlamaForCausalLM(nnx.Module):
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         B, T = positions.shape
 
-        def heads(x: jax.Array, n: int) -> jax.Array:
-            return x.reshape(B, T, n, cfg.head_dim)
-
         def layer(carry, xs):
             h, k_cache, v_cache = carry
             w, i = xs
             x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = x @ w["wq"], x @ w["wk"], x @ w["wv"]
-            if cfg.attention_bias:
-                q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
-            q, k, v = heads(q, cfg.num_heads), heads(k, cfg.num_kv_heads), heads(v, cfg.num_kv_heads)
+            q, k, v = pin_heads(*qkv_projection(x, w["w_qkv"], w.get("b_qkv"), cfg.num_heads, cfg.num_kv_heads,
+                                                cfg.head_dim))
             if cfg.qk_norm:
                 q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
             k_cache, v_cache = write_layer(k_cache, i, k, start), write_layer(v_cache, i, v, start)
             o = attention(q, k_cache, v_cache, i, start, scale=cfg.head_dim ** -0.5, impl=impl)
             h_attn = h + o.reshape(B, T, -1) @ w["wo"]
-            out = h_attn + swiglu_mlp(rms_norm(h_attn, w["mlp_norm"], cfg.rms_norm_eps),
-                                      w["w_gate"], w["w_up"], w["w_down"])
+            out = h_attn + swiglu_mlp(rms_norm(h_attn, w["mlp_norm"], cfg.rms_norm_eps), w["w_gate_up"], w["w_down"])
             return (out, k_cache, v_cache), h
 
         return layer
