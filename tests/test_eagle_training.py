@@ -18,9 +18,10 @@ from specjax.models.model_config import ModelConfig
 from specjax.models.registry import build_model, random_model
 from specjax.training import data as data_lib
 from specjax.training.__main__ import main
-from specjax.training.features import FeatureWriter, open_features
+from specjax.training.features import FeatureStore, FeatureWriter, open_features
 from specjax.training.record import record
-from specjax.training.trainer import TrainConfig, Trainer, make_batch, new_head, ttt_forward
+from specjax.training.trainer import (LENGTH_BUCKET, TrainConfig, Trainer, batches, make_batch, new_head,
+                                      ttt_forward)
 
 TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=61, hidden_size=32, intermediate_size=48,
             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5,
@@ -126,6 +127,36 @@ def test_training_lowers_the_loss_and_round_trips_through_the_published_layout(t
     tokens = jnp.asarray(batch.tokens)
     np.testing.assert_allclose(ttt_forward(loaded, tokens, jnp.asarray(batch.aux), 2)[1],
                                ttt_forward(trained, tokens, jnp.asarray(batch.aux), 2)[1], rtol=1e-4, atol=1e-5)
+
+
+def test_batches_cover_every_conversation_once_in_one_shape_per_length_bucket():
+    """Training compiles one step per batch shape: every batch is [tokens_per_batch // T, T] for its
+    length bucket T, its padding rows count for nothing, and one pass yields each conversation once."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(3, 700, size=300)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    total = int(offsets[-1])
+    store = FeatureStore(tokens=np.arange(total, dtype=np.int32), offsets=offsets,
+                         prompt_lengths=np.minimum(lengths - 1, 5).astype(np.int32),
+                         aux=np.zeros((total, 6), np.float16), final=np.zeros((total, 2), np.float16),
+                         aux_layer_ids=(0, 1, 2))
+    seen, shapes = [], set()
+    for batch in batches(store, np.arange(300), 2048, rng):
+        B, T = batch.tokens.shape
+        assert T % LENGTH_BUCKET == 0 and B == max(2048 // T, 1), (B, T)
+        shapes.add((B, T))
+        assert batch.aux.dtype == np.float16   # cast on the device, not on the host
+        for row in range(B):
+            if batch.response[row].any():
+                first = int(batch.tokens[row, 0])
+                n = int(np.searchsorted(offsets, first))
+                assert offsets[n] == first and batch.tokens[row, :lengths[n]].tolist() == list(
+                    range(first, first + lengths[n]))
+                seen.append(n)
+            else:
+                assert not batch.tokens[row].any()   # a padding row
+    assert sorted(seen) == list(range(300))
+    assert len(shapes) <= -(-700 // LENGTH_BUCKET)
 
 
 def test_draft_vocabulary_takes_the_most_frequent_response_tokens():

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import queue
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +49,7 @@ class PipelineConfig:
     tokens_per_batch: int = 4096
     k: int = 3
     eval_every: int = 0               # 0: evaluate at the end only
+    save_every: int = 0               # also save the head every N steps without evaluating (0: never)
     log_every: int = 10
     save_dtype: str = "float16"
     seed: int = 0
@@ -55,6 +58,7 @@ class PipelineConfig:
 def run(cfg: PipelineConfig) -> dict:
     work, out = Path(cfg.work_dir), Path(cfg.out_dir)
     work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     log = _Log(work / "log.jsonl")
     llm = LLM(cfg.target, max_model_len=cfg.max_model_len, max_num_seqs=cfg.generate_batch)
     tokenizer = llm.get_tokenizer()
@@ -98,8 +102,10 @@ def _train(cfg: PipelineConfig, trainer: Trainer, store, log: "_Log", out: Path,
             bar.update()
             if step % cfg.log_every == 0 or step == cfg.steps:
                 log.write(stage="train", step=step, seconds=round(time.time() - started, 1), **metrics)
-            if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+            evaluate = step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)
+            if evaluate or (cfg.save_every and step % cfg.save_every == 0):
                 save_eagle3_head(trainer.head(), out, target_config, cfg.save_dtype)
+            if evaluate:
                 evaluation = acceptance(cfg.target, out, eval_ids, k=cfg.k, max_new_tokens=cfg.max_new_tokens,
                                         max_model_len=cfg.max_model_len, max_num_seqs=cfg.generate_batch)
                 log.write(stage="eval", step=step, **evaluation)
@@ -108,10 +114,20 @@ def _train(cfg: PipelineConfig, trainer: Trainer, store, log: "_Log", out: Path,
     return {"steps": cfg.steps, "final_metrics": running, "evaluation": evaluation}
 
 
-def _endless(store, tokens_per_batch: int, rng: np.random.Generator):
-    indices = np.arange(store.num_examples)
+def _endless(store, tokens_per_batch: int, rng: np.random.Generator, depth: int = 8):
+    """Batches forever, assembled by a background thread up to `depth` ahead: on a GPU, gathering a batch
+    from the memory-mapped store takes longer than the step (numpy's copies release the GIL)."""
+    ready: queue.Queue = queue.Queue(depth)
+
+    def fill():
+        indices = np.arange(store.num_examples)
+        while True:
+            for batch in batches(store, indices, tokens_per_batch, rng):
+                ready.put(batch)
+
+    threading.Thread(target=fill, daemon=True).start()
     while True:
-        yield from batches(store, indices, tokens_per_batch, rng)
+        yield ready.get()
 
 
 class _Log:

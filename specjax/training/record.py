@@ -2,8 +2,9 @@
 
 `FeatureRecorder` is a proposer that drafts nothing (k = 0, plain decoding) and asks the loop for the
 residual streams EAGLE-3 reads: its `observe` writes each pass's captured layers and final hidden states
-into buffers in its carry at the pass's positions (the prefill covers the prompt, each decode step the last
-committed token). So training data costs one generation, with no second pass over the conversations.
+into time-major buffers in its carry (the prefill covers the prompt, each decode step the last committed
+token), and the host puts each row's positions back in order. So training data costs one generation,
+with no second pass over the conversations.
 """
 from __future__ import annotations
 
@@ -28,8 +29,12 @@ from specjax.training.features import FeatureWriter
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Recording:
-    aux: jax.Array     # f16 [B, S, n*H]
-    final: jax.Array   # f16 [B, S, H]
+    """Time-major buffers: every pass writes all rows at one common index. The prefill (prompts padded to
+    width P) fills indices 0..P-1 with positions 0..P-1; decode step j (one token per row, at the row's own
+    position prompt_length + j) writes index P + j."""
+    aux: jax.Array     # f16 [S, B, n*H]
+    final: jax.Array   # f16 [S, B, H]
+    next: jax.Array    # i32 [] the index the next pass writes at
 
 
 class FeatureRecorder:
@@ -40,23 +45,33 @@ class FeatureRecorder:
         self.hidden_size = hidden_size
 
     def init(self, draft_state, prompt_tokens: jax.Array, prompt_lengths: jax.Array, cache_len: int) -> Recording:
-        B, H = prompt_tokens.shape[0], self.hidden_size
-        return Recording(jnp.zeros((B, cache_len, len(self.capture_layers) * H), jnp.float16),
-                         jnp.zeros((B, cache_len, H), jnp.float16))
+        (B, P), H = prompt_tokens.shape, self.hidden_size
+        S = P + cache_len   # the prefill's P indices plus at most one per decode step
+        return Recording(jnp.zeros((S, B, len(self.capture_layers) * H), jnp.float16),
+                         jnp.zeros((S, B, H), jnp.float16), jnp.zeros((), jnp.int32))
 
     def propose(self, draft_state, carry, tokens, lengths, rows):
         return jnp.zeros((tokens.shape[0], 0), jnp.int32), None, carry
 
     def observe(self, draft_state, carry: Recording, target: TargetPass, tokens, lengths, rows) -> Recording:
+        # One in-place update per buffer: rows at their own positions would need a scatter (or one update per
+        # row), and XLA copies the whole buffer for a scatter in the loop, every step.
         captured = jnp.clip(target.captured, -65504.0, 65504.0).astype(jnp.float16)
-        return Recording(_write_rows(carry.aux, captured, target.start),
-                         _write_rows(carry.final, target.hidden.astype(jnp.float16), target.start))
+        return Recording(_write_at(carry.aux, captured, carry.next),
+                         _write_at(carry.final, target.hidden.astype(jnp.float16), carry.next),
+                         carry.next + target.hidden.shape[1])
+
+    @staticmethod
+    def row_features(buffer: np.ndarray, row: int, prompt_width: int, prompt_length: int, length: int) -> np.ndarray:
+        """Row `row`'s features at positions 0 .. length-1 from a fetched time-major buffer; the last committed
+        token was never run through the target, so its row is zeros."""
+        generated = buffer[prompt_width:prompt_width + length - 1 - prompt_length, row]
+        return np.concatenate([buffer[:prompt_length, row], generated, np.zeros_like(buffer[:1, row])])
 
 
-# Each row's pass lands at its own start position: one batched update (a scatter), so the compiled loop does
-# not grow with the batch. XLA may copy the buffers per step (kv_cache.write_layer saw that for the cache);
-# for this offline job that costs less than the forward pass at recording batch sizes.
-_write_rows = jax.vmap(lambda buffer, values, start: jax.lax.dynamic_update_slice(buffer, values, (start, 0)))
+def _write_at(buffer: jax.Array, values: jax.Array, index: jax.Array) -> jax.Array:
+    """values [B, T, F] into buffer [S, B, F] at indices index .. index+T-1."""
+    return jax.lax.dynamic_update_slice(buffer, jnp.swapaxes(values, 0, 1), (index, 0, 0))
 
 
 def record(llm: Any, prompt_ids: Sequence[list[int]], max_new_tokens: int, aux_layer_ids: Sequence[int],
@@ -76,12 +91,11 @@ def record(llm: Any, prompt_ids: Sequence[list[int]], max_new_tokens: int, aux_l
             state = generate(params, None, prompts, lengths, _greedy_rows(batch, len(wave), max_new_tokens,
                                                                                 stop_ids), cache_len)
             state = jax.device_get(state)
+            width = prompts.shape[1]
             for row, prompt in enumerate(wave):
                 end = int(state.lengths[row])
-                # Features exist for every position but the last committed token (never run through the target).
-                aux = np.concatenate([state.proposer.aux[row, :end - 1], np.zeros_like(state.proposer.aux[row, :1])])
-                final = np.concatenate([state.proposer.final[row, :end - 1],
-                                        np.zeros_like(state.proposer.final[row, :1])])
+                aux, final = (recorder.row_features(buffer, row, width, len(prompt), end)
+                              for buffer in (state.proposer.aux, state.proposer.final))
                 writer.append(state.tokens[row, :end], len(prompt), aux, final)
             writer.flush()
             bar.update(len(wave))

@@ -39,8 +39,8 @@ class TrainConfig:
 @dataclasses.dataclass
 class Batch:
     tokens: np.ndarray      # i32 [B, T]
-    aux: np.ndarray         # f32 [B, T, n*H] the target's captured layers
-    final: np.ndarray       # f32 [B, T, H] the target's final-normed hidden states
+    aux: np.ndarray         # f16 [B, T, n*H] the target's captured layers (as stored; cast on the device)
+    final: np.ndarray       # f16 [B, T, H] the target's final-normed hidden states
     response: np.ndarray    # bool [B, T] response tokens (padding and prompt are False)
 
 
@@ -178,31 +178,40 @@ def _ttt_attention(keys: dict[int, list], step: int, head_dim: int):
 
 def batches(store: FeatureStore, examples: np.ndarray, tokens_per_batch: int,
             rng: np.random.Generator) -> Iterator[Batch]:
-    """One pass over `examples` (indices into the store) in random order, grouped by similar length so a
-    batch of about tokens_per_batch padded tokens wastes little on padding."""
+    """One pass over `examples` (indices into the store) in random order, grouped by similar length. A batch
+    is [tokens_per_batch // T, T] with T the group's length rounded up to LENGTH_BUCKET (short groups padded
+    with empty rows), so training compiles one step per length bucket, not one per batch shape."""
     order = rng.permutation(examples)
     groups = []
     for begin in range(0, len(order), 256):   # sort within windows: random, yet similar lengths together
         window = sorted(order[begin:begin + 256], key=store.length)
         current: list[int] = []
         for n in window:
-            T = bucket_length(store.length(n))
-            if current and (len(current) + 1) * max(T, bucket_length(store.length(current[-1]))) > tokens_per_batch:
+            if current and (len(current) + 1) * _bucket(store.length(n)) > tokens_per_batch:
                 groups.append(current)
                 current = []
             current.append(n)
         if current:
             groups.append(current)
     for i in rng.permutation(len(groups)):
-        yield make_batch(store, groups[i])
+        T = _bucket(store.length(groups[i][-1]))   # the longest of its sorted group
+        yield make_batch(store, groups[i], rows=max(tokens_per_batch // T, len(groups[i])))
 
 
-def make_batch(store: FeatureStore, indices: list[int]) -> Batch:
-    T = bucket_length(max(store.length(n) for n in indices))
-    B = len(indices)
+LENGTH_BUCKET = 128
+
+
+def _bucket(length: int) -> int:
+    return bucket_length(length, LENGTH_BUCKET)
+
+
+def make_batch(store: FeatureStore, indices: list[int], rows: int | None = None) -> Batch:
+    """The conversations `indices` padded to a common bucketed length, plus empty rows up to `rows`."""
+    T = _bucket(max(store.length(n) for n in indices))
+    B = max(rows or 0, len(indices))
     tokens = np.zeros((B, T), np.int32)
-    aux = np.zeros((B, T, store.aux.shape[1]), np.float32)
-    final = np.zeros((B, T, store.final.shape[1]), np.float32)
+    aux = np.zeros((B, T, store.aux.shape[1]), store.aux.dtype)
+    final = np.zeros((B, T, store.final.shape[1]), store.final.dtype)
     response = np.zeros((B, T), bool)
     for row, n in enumerate(indices):
         begin, end = int(store.offsets[n]), int(store.offsets[n + 1])
