@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file
 
 from checkpoints_conv.eagle_loader import load_eagle_head
 from checkpoints_conv.eagle_writer import save_eagle3_head
@@ -195,3 +196,20 @@ def test_training_entry_point_runs_end_to_end(default_model_dir, tmp_path):
     summary = json.loads((out / "training.json").read_text())
     assert summary["evaluation"] == {k: v for k, v in log[-1].items() if k not in ("stage", "step")}
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 512
+    # Continuing from the saved head: with a zero learning rate the head saved after a step is the one it
+    # started from (draft vocabulary included), and the recording is reused, not repeated.
+    again = tmp_path / "EAGLE3-continued"
+    common = ["--target", str(default_model_dir), "--prompts", "/work/shared/data/gsm8k_train.jsonl",
+              "--work", str(work), "--num-train", "6", "--num-heldout", "3", "--num-eval", "1",
+              "--max-new-tokens", "12", "--max-model-len", "256", "--generate-batch", "4", "--steps", "1",
+              "--tokens-per-batch", "1024"]
+    assert main(common + ["--out", str(again), "--init-head", str(out), "--learning-rate", "0"]) == 0
+    first, continued = load_file(out / "model.safetensors"), load_file(again / "model.safetensors")
+    assert first.keys() == continued.keys()
+    for name in first:
+        np.testing.assert_array_equal(first[name], continued[name], err_msg=name)
+    config = json.loads((out / "config.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1, 2]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="init_head=.*reads target layers"):
+        main(common + ["--out", str(tmp_path / "never"), "--init-head", str(out)])

@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from checkpoints_conv.eagle_loader import load_eagle_head
 from checkpoints_conv.eagle_writer import save_eagle3_head
 from specjax import LLM
 from specjax.hub import resolve_model
-from specjax.models.eagle import default_aux_layer_ids
+from specjax.models.eagle import EagleHead, default_aux_layer_ids
 from specjax.training import data as data_lib
 from specjax.training.evaluate import acceptance
 from specjax.training.features import FeatureWriter, open_features
@@ -53,6 +54,7 @@ class PipelineConfig:
     log_every: int = 10
     save_dtype: str = "float16"
     seed: int = 0
+    init_head: str = ""               # continue from this saved EAGLE-3 head (its draft vocabulary is kept)
 
 
 def run(cfg: PipelineConfig) -> dict:
@@ -67,16 +69,21 @@ def run(cfg: PipelineConfig) -> dict:
     eval_ids = data_lib.chat_prompt_ids(tokenizer, held_q[:cfg.num_eval])
     target_cfg = llm.model_config
     aux_ids = default_aux_layer_ids(target_cfg.num_layers)
+    start = _initial_head(cfg, target_cfg, llm.params, aux_ids)   # before recording: a bad head fails fast
     capacity = sum(len(p) for p in train_ids) + len(train_ids) * cfg.max_new_tokens
     writer = FeatureWriter(work / "features", capacity, target_cfg.hidden_size, aux_ids)
     record(llm, train_ids, cfg.max_new_tokens, aux_ids, writer, cfg.generate_batch)
     store = open_features(work / "features")
     responses = store.response_tokens()
-    draft_ids = data_lib.draft_vocabulary(responses, store.tokens, target_cfg.vocab_size, cfg.draft_vocab_size)
+    if start is None:
+        draft_ids = data_lib.draft_vocabulary(responses, store.tokens, target_cfg.vocab_size, cfg.draft_vocab_size)
+        head = new_head(target_cfg, llm.params, draft_ids, aux_ids, seed=cfg.seed)
+    else:
+        head = start
+        draft_ids = (np.asarray(head.draft_to_target[...]) if head.cfg.reduced_vocab
+                     else np.arange(head.cfg.draft_vocab_size))
     log.write(stage="data", examples=store.num_examples, tokens=int(store.offsets[-1]),
               response_tokens=len(responses), draft_vocab_coverage=float(np.isin(responses, draft_ids).mean()))
-
-    head = new_head(target_cfg, llm.params, draft_ids, aux_ids, seed=cfg.seed)
     trainer = Trainer(head, target_cfg, llm.params, TrainConfig(
         total_steps=cfg.steps, learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
         ttt_steps=cfg.ttt_steps))
@@ -85,6 +92,22 @@ def run(cfg: PipelineConfig) -> dict:
     result = _train(cfg, trainer, store, log, out, target_config, eval_ids)
     (out / "training.json").write_text(json.dumps({"config": dataclasses.asdict(cfg), **result}, indent=2) + "\n")
     return result
+
+
+def _initial_head(cfg: PipelineConfig, target_cfg, target_params, aux_ids: tuple[int, ...]) -> EagleHead | None:
+    """The head in cfg.init_head, checked against what this run trains (None: start a new one). The
+    optimizer starts afresh (warmup included)."""
+    if not cfg.init_head:
+        return None
+    dtype = target_params["embed"][...].dtype
+    head = load_eagle_head(cfg.init_head, "eagle3", target_cfg, target_params, dtype)
+    if head.cfg.lm_head_source != "head":
+        raise ValueError(f"init_head={cfg.init_head!r} has no lm_head of its own; training continues EAGLE-3 "
+                         "heads saved by this pipeline (or published with lm_head.weight)")
+    if tuple(head.cfg.aux_layer_ids) != tuple(aux_ids):
+        raise ValueError(f"init_head={cfg.init_head!r} reads target layers {list(head.cfg.aux_layer_ids)}, this "
+                         f"run records {list(aux_ids)}: use a head trained for this target")
+    return head
 
 
 def _train(cfg: PipelineConfig, trainer: Trainer, store, log: "_Log", out: Path, target_config: dict,
