@@ -32,7 +32,8 @@ def _ones(shape: Sequence[int], dtype) -> nnx.Param:
 
 
 class DecoderWeights(nnx.Module):
-    """Decoder layer weights, matrices stored [in, out], q/k/v and gate/up fused (layers.interleave_columns).
+    """Decoder layer weights, matrices stored [in, out], q/k/v and gate/up fused
+    (checkpoints_conv.fused_columns).
     `lead=(L,)` stacks every leaf over L layers on axis 0; `lead=()` holds one layer."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, lead: tuple[int, ...] = ()):

@@ -90,13 +90,14 @@ def record(llm: Any, prompt_ids: Sequence[list[int]], max_new_tokens: int, aux_l
             prompts, lengths, cache_len = _pack(wave, batch, max_new_tokens, llm.max_model_len)
             state = generate(params, None, prompts, lengths, _greedy_rows(batch, len(wave), max_new_tokens,
                                                                                 stop_ids), cache_len)
-            state = jax.device_get(state)
+            # Only what is written out comes to the host (not the KV cache: gigabytes at recording batches).
+            tokens, ends, recording = jax.device_get((state.tokens, state.lengths, state.proposer))
             width = prompts.shape[1]
             for row, prompt in enumerate(wave):
-                end = int(state.lengths[row])
+                end = int(ends[row])
                 aux, final = (recorder.row_features(buffer, row, width, len(prompt), end)
-                              for buffer in (state.proposer.aux, state.proposer.final))
-                writer.append(state.tokens[row, :end], len(prompt), aux, final)
+                              for buffer in (recording.aux, recording.final))
+                writer.append(tokens[row, :end], len(prompt), aux, final)
             writer.flush()
             bar.update(len(wave))
 
