@@ -36,7 +36,7 @@ DTYPES: dict[str, np.dtype] = {
 @dataclasses.dataclass(frozen=True)
 class LeafSpec:
     """Where one leaf of the tree comes from in an HF checkpoint: one tensor, or several fused side by side
-    on the last axis in `groups` interleaved groups (specjax.models.layers.interleave_columns)."""
+    on the last axis in `groups` interleaved groups (checkpoints_conv.fused_columns)."""
     hf_names: tuple[str, ...]  # per-layer tensors carry an "{i}" placeholder for the layer index
     shape: tuple[int, ...]     # the leaf's shape in the tree (stacked leaves lead with num_layers)
     transpose: bool            # HF Linear weights are [out, in]; the tree stores [in, out]

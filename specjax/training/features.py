@@ -44,11 +44,6 @@ class FeatureStore:
                                for n in range(self.num_examples)] or [np.zeros(0, np.int32)])
 
 
-def bucket_length(n: int, multiple: int = 64) -> int:
-    """Sequence lengths rounded up to a multiple: a handful of shapes, so few compilations."""
-    return -(-n // multiple) * multiple
-
-
 class FeatureWriter:
     """Appends conversations to a store directory, reopening what an earlier run flushed."""
 

@@ -69,17 +69,16 @@ def run(cfg: PipelineConfig) -> dict:
     eval_ids = data_lib.chat_prompt_ids(tokenizer, held_q[:cfg.num_eval])
     target_cfg = llm.model_config
     aux_ids = default_aux_layer_ids(target_cfg.num_layers)
-    start = _initial_head(cfg, target_cfg, llm.params, aux_ids)   # before recording: a bad head fails fast
+    head = _initial_head(cfg, target_cfg, llm.params, aux_ids)   # before recording: a bad head fails fast
     capacity = sum(len(p) for p in train_ids) + len(train_ids) * cfg.max_new_tokens
     writer = FeatureWriter(work / "features", capacity, target_cfg.hidden_size, aux_ids)
     record(llm, train_ids, cfg.max_new_tokens, aux_ids, writer, cfg.generate_batch)
     store = open_features(work / "features")
     responses = store.response_tokens()
-    if start is None:
+    if head is None:
         draft_ids = data_lib.draft_vocabulary(responses, store.tokens, target_cfg.vocab_size, cfg.draft_vocab_size)
         head = new_head(target_cfg, llm.params, draft_ids, aux_ids, seed=cfg.seed)
     else:
-        head = start
         draft_ids = (np.asarray(head.draft_to_target[...]) if head.cfg.reduced_vocab
                      else np.arange(head.cfg.draft_vocab_size))
     log.write(stage="data", examples=store.num_examples, tokens=int(store.offsets[-1]),

@@ -22,7 +22,7 @@ from flax import nnx
 
 from specjax.models.eagle import EagleConfig, EagleHead, Frozen
 from specjax.models.model_config import ModelConfig
-from specjax.training.features import FeatureStore, bucket_length
+from specjax.training.features import FeatureStore
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,27 +187,28 @@ def batches(store: FeatureStore, examples: np.ndarray, tokens_per_batch: int,
         window = sorted(order[begin:begin + 256], key=store.length)
         current: list[int] = []
         for n in window:
-            if current and (len(current) + 1) * _bucket(store.length(n)) > tokens_per_batch:
+            if current and (len(current) + 1) * bucket_length(store.length(n)) > tokens_per_batch:
                 groups.append(current)
                 current = []
             current.append(n)
         if current:
             groups.append(current)
     for i in rng.permutation(len(groups)):
-        T = _bucket(store.length(groups[i][-1]))   # the longest of its sorted group
-        yield make_batch(store, groups[i], rows=max(tokens_per_batch // T, len(groups[i])))
+        T = bucket_length(store.length(groups[i][-1]))   # the longest of its sorted group
+        yield make_batch(store, groups[i], rows=tokens_per_batch // T)
 
 
 LENGTH_BUCKET = 128
 
 
-def _bucket(length: int) -> int:
-    return bucket_length(length, LENGTH_BUCKET)
+def bucket_length(length: int) -> int:
+    """Sequence lengths rounded up to LENGTH_BUCKET: a handful of shapes, so few compilations."""
+    return -(-length // LENGTH_BUCKET) * LENGTH_BUCKET
 
 
 def make_batch(store: FeatureStore, indices: list[int], rows: int | None = None) -> Batch:
     """The conversations `indices` padded to a common bucketed length, plus empty rows up to `rows`."""
-    T = _bucket(max(store.length(n) for n in indices))
+    T = bucket_length(max(store.length(n) for n in indices))
     B = max(rows or 0, len(indices))
     tokens = np.zeros((B, T), np.int32)
     aux = np.zeros((B, T, store.aux.shape[1]), store.aux.dtype)
