@@ -43,5 +43,5 @@ def test_shipped_head_is_lossless_and_accepts_drafts_on_unseen_questions():
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     metrics = {m.name.removeprefix("vllm:spec_decode_"): m for m in llm.get_metrics()}
     acceptance_length = 1 + metrics["num_accepted_tokens"].value / metrics["num_drafts"].value
-    # A random head scores about 1.0 and an 80-step pilot 1.5; the shipped head measured 2.34 here.
-    assert acceptance_length >= 2.1, acceptance_length
+    # A random head scores about 1.0, an 80-step pilot 1.5, the previous shipped head 2.34; this one 2.88.
+    assert acceptance_length >= 2.5, acceptance_length
