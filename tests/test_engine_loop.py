@@ -1,6 +1,8 @@
 """The jitted loop on tiny random models: speculation is lossless, limits hold, one while_loop, counters."""
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,3 +148,15 @@ def test_decode_loop_is_one_while_primitive():
     jaxpr = jax.make_jaxpr(fn, static_argnums=5)(TARGET[1], None, tokens, lengths, _rows(4), MAX_LEN + 4)
     top_level = [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns]
     assert top_level.count("while") == 1
+
+
+@pytest.mark.parametrize("dtype, precision", [(jnp.float32, "HIGHEST"), (jnp.bfloat16, "DEFAULT")])
+def test_float32_loops_pin_full_precision_matmuls(dtype, precision):
+    """On GPUs the default float32 matmul is TF32, under which verify and decode round differently."""
+    fn = jax.jit(build_generate(TARGET[0], NgramProposer(3, 1, 3), LoopSpec(k=3, n_top=0, max_model_len=MAX_LEN)),
+                 static_argnums=5)
+    tokens, lengths = _prompts()
+    state = jax.tree.map(lambda x: x.astype(dtype), TARGET[1])
+    text = fn.lower(state, None, tokens, lengths, _rows(4), MAX_LEN + 4).as_text()
+    precisions = set(re.findall(r"dot_general.*precision = \[(\w+), \w+\]", text))
+    assert precisions == {precision}

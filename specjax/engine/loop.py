@@ -4,6 +4,7 @@ propose -> verify -> accept -> commit -> observe. Plain decoding is the same loo
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable
 
@@ -37,11 +38,19 @@ def build_generate(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpe
     def generate(target_state, draft_state, prompt_tokens, prompt_lengths, rows: RowParams, cache_len: int,
                  synthetic_rates: jax.Array | None = None):
         target = nnx.merge(target_graph, target_state)
-        state = _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec)
-        step = _step_fn(target, proposer, draft_state, rows, spec, synthetic_rates)
-        return jax.lax.while_loop(lambda s: jnp.any(~s.done), step, state)
+        with _exact_matmuls(target.embed[...].dtype):
+            state = _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec)
+            step = _step_fn(target, proposer, draft_state, rows, spec, synthetic_rates)
+            return jax.lax.while_loop(lambda s: jnp.any(~s.done), step, state)
 
     return generate
+
+
+def _exact_matmuls(dtype) -> contextlib.AbstractContextManager:
+    """float32 models trace their matmuls at full float32 precision: GPUs otherwise run them in TF32, which
+    rounds a (k+1)-token verify pass differently from a one-token step, so greedy speculation would no longer
+    reproduce plain decoding token for token. Other dtypes keep the default."""
+    return jax.default_matmul_precision("highest") if dtype == jnp.float32 else contextlib.nullcontext()
 
 
 def _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec) -> LoopState:
