@@ -5,8 +5,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from specjax.models.model_config import ModelConfig
+from specjax.parallel import current_layout, shards_kv_heads
 
 
 @jax.tree_util.register_dataclass
@@ -34,10 +36,31 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype) -> int:
 def write_layer(cache: jax.Array, layer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """Write new [B, T, Hkv, D] into cache [L, B, Hkv, S, D] at layer `layer`, slots start[b] .. start[b]+T-1.
 
-    One dynamic_update_slice per row: XLA updates those in place inside the loop, where a vmapped
-    update (a scatter) copied the whole cache. Callers keep start + T <= S (dynamic_update_slice clamps).
+    Traced under a tensor-parallel layout that splits kv heads, each device writes its own heads under
+    shard_map (XLA's partitioner would otherwise gather the scatter's indices and updates to every device).
     """
-    blocks = jnp.swapaxes(new, 1, 2).astype(cache.dtype)  # [B, Hkv, T, D]
-    for b in range(new.shape[0]):
-        cache = jax.lax.dynamic_update_slice(cache, blocks[b][None, None], (layer, b, 0, start[b], 0))
-    return cache
+    layout = current_layout()
+    if (layout is None or layout.head_axis is None
+            or not shards_kv_heads(cache.shape[2], layout.mesh.shape[layout.head_axis])):
+        return _scatter_rows(cache, layer, new, start)
+    by_head = P(None, None, layout.head_axis)   # cache [L, B, Hkv, S, D] and new [B, T, Hkv, D] alike
+    return jax.shard_map(_scatter_rows, mesh=layout.mesh, in_specs=(by_head, P(), by_head, P()), out_specs=by_head,
+                         check_vma=False)(cache, jnp.asarray(layer, jnp.int32), new, start)
+
+
+def _scatter_rows(cache: jax.Array, layer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """One scatter of B x Hkv windows [T, D] whose indices run over the cache's leading dims (layer, row, kv
+    head, slot) in order: XLA keeps that form and updates the cache in place. A window spanning the kv heads
+    (indices over layer, row, slot) is rewritten by XLA into this order with a transpose of the whole cache;
+    one dynamic_update_slice per row grew the program (and, on CPU, the run time) with the batch. Slots are
+    clamped so a window fits (as dynamic_update_slice does); callers keep start + T <= S.
+    """
+    B, T, Hkv, _ = new.shape
+    shape = (B, Hkv, 1)
+    indices = jnp.concatenate([jnp.full(shape, layer, jnp.int32), jax.lax.broadcasted_iota(jnp.int32, shape, 0),
+                               jax.lax.broadcasted_iota(jnp.int32, shape, 1),
+                               jnp.broadcast_to(start.astype(jnp.int32)[:, None, None], shape)], axis=-1)
+    numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(2, 3), inserted_window_dims=(0, 1, 2),
+                                              scatter_dims_to_operand_dims=(0, 1, 2, 3))
+    return jax.lax.scatter(cache, indices, jnp.swapaxes(new, 1, 2).astype(cache.dtype), numbers,
+                           indices_are_sorted=True, unique_indices=True, mode=jax.lax.GatherScatterMode.CLIP)
