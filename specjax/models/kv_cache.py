@@ -55,7 +55,7 @@ def _scatter_rows(cache: jax.Array, layer: jax.Array, new: jax.Array, start: jax
     one dynamic_update_slice per row grew the program (and, on CPU, the run time) with the batch. Slots are
     clamped so a window fits (as dynamic_update_slice does); callers keep start + T <= S.
     """
-    B, T, Hkv, _ = new.shape
+    B, _, Hkv, _ = new.shape
     shape = (B, Hkv, 1)
     indices = jnp.concatenate([jnp.full(shape, layer, jnp.int32), jax.lax.broadcasted_iota(jnp.int32, shape, 0),
                                jax.lax.broadcasted_iota(jnp.int32, shape, 1),
