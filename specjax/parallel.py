@@ -58,6 +58,12 @@ class Layout:
     mesh: Mesh | AbstractMesh
     head_axis: str | None
 
+    def kv_head_axis(self, num_kv_heads: int) -> str | None:
+        """The axis kv heads (and so the KV cache) are split over; None when they are whole on every device."""
+        if self.head_axis is None or not shards_kv_heads(num_kv_heads, self.mesh.shape[self.head_axis]):
+            return None
+        return self.head_axis
+
 
 _LAYOUT: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("specjax_layout", default=None)
 
@@ -85,7 +91,7 @@ def pin_heads(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.
     layout = current_layout()
     if layout is None or layout.head_axis is None:
         return q, k, v
-    kv_axis = layout.head_axis if shards_kv_heads(k.shape[2], layout.mesh.shape[layout.head_axis]) else None
+    kv_axis = layout.kv_head_axis(k.shape[2])
 
     def pin(x: jax.Array, axis: str | None) -> jax.Array:
         return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, P(None, None, axis, None)))

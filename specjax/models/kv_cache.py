@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from specjax.models.model_config import ModelConfig
-from specjax.parallel import current_layout, shards_kv_heads
+from specjax.parallel import current_layout
 
 
 @jax.tree_util.register_dataclass
@@ -40,10 +40,10 @@ def write_layer(cache: jax.Array, layer: jax.Array, new: jax.Array, start: jax.A
     shard_map (XLA's partitioner would otherwise gather the scatter's indices and updates to every device).
     """
     layout = current_layout()
-    if (layout is None or layout.head_axis is None
-            or not shards_kv_heads(cache.shape[2], layout.mesh.shape[layout.head_axis])):
+    kv_axis = None if layout is None else layout.kv_head_axis(cache.shape[2])
+    if kv_axis is None:
         return _scatter_rows(cache, layer, new, start)
-    by_head = P(None, None, layout.head_axis)   # cache [L, B, Hkv, S, D] and new [B, T, Hkv, D] alike
+    by_head = P(None, None, kv_axis)   # cache [L, B, Hkv, S, D] and new [B, T, Hkv, D] alike
     return jax.shard_map(_scatter_rows, mesh=layout.mesh, in_specs=(by_head, P(), by_head, P()), out_specs=by_head,
                          check_vma=False)(cache, jnp.asarray(layer, jnp.int32), new, start)
 
