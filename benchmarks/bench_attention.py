@@ -6,7 +6,7 @@ Run in one device call:  PYTHONPATH=. python benchmarks/bench_attention.py [--sw
    program never copies a layer's K/V out of the stacked cache;
 2. measures the device copy bandwidth (the ceiling);
 3. times kernel and reference per layer, rotating through distinct cache layers so the data is
-   not served from L2 (back-to-back calls and a jitted lax.scan over layers, see time_case) for the
+   not served from L2 (device time from a profiler trace; wall-clock figures beside it, see time_case) for the
    Llama-3.1-8B attention shape (Hq=32, Hkv=8, D=128, bf16), T in 1/4/8/16, context
    1024/4096/16384, batch 1 and 8. Bandwidth = K+V bytes of the visible context / time.
 `--sweep` then times launch-parameter variants on the key shapes (SWEEP_SHAPES). Prints a table;
@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from benchmarks.device_trace import median_duration_us, traced_kernels
 from specjax.kernels.attention import attention, choose_impl
 from specjax.kernels.attention_reference import attention_reference
 from specjax.kernels.attention_triton import KernelConfig, attention_triton, default_config
@@ -196,11 +197,11 @@ def rotation_layers(batch: int, context: int) -> int:
 def time_case(batch, tokens, context, configs, with_scan: bool = True) -> dict:
     """Per-layer times of the kernel (each config) and the reference at one shape.
 
-    Two ways, both rotating through `layers` cache slabs: back-to-back jitted calls (one per
-    layer; dispatch is asynchronous, so it hides behind kernels longer than a few us) and one
-    jitted lax.scan over the layers (the model's form; its while loop has a per-iteration
-    cost). Each is an upper bound on the device time; `us` is the smaller. Sweeps pass
-    with_scan=False so that every variant is ranked by the same (back-to-back) method.
+    Rotating through `layers` cache slabs: `us` is the device time per call from a profiler trace
+    of back-to-back jitted calls (one per layer): every kernel of the call (the attention kernel, the
+    split merge), `kernel_us` the attention kernel alone. Wall-clock figures beside it (back-to-back
+    calls, and a jitted lax.scan over the layers, the model's form) include dispatch and loop costs;
+    sweeps (with_scan=False) rank variants by the device time alone.
     """
     dtype = jnp.bfloat16
     layers = rotation_layers(batch, context)
@@ -213,20 +214,22 @@ def time_case(batch, tokens, context, configs, with_scan: bool = True) -> dict:
     read_bytes = 2 * batch * KV_HEADS * context * HEAD_DIM * jnp.dtype(dtype).itemsize
     scale = HEAD_DIM ** -0.5
 
-    def measure(fn, scan_too):
+    def measure(fn, scan_too, wall_too=True):
         call = jax.jit(fn)
 
         def calls():
-            outs = [call(q, k, v, layer, start) for layer in layer_ids]
-            outs[-1].block_until_ready()
+            return [call(q, k, v, layer, start) for layer in layer_ids]
 
-        timing = dict(calls_us=median_seconds(calls) / layers * 1e6)
+        timing = device_timing(calls, layers)
+        if wall_too:
+            timing["calls_us"] = median_seconds(lambda: jax.block_until_ready(calls())) / layers * 1e6
         if scan_too:
             scan = layer_scan(fn)
             timing["scan_us"] = median_seconds(
                 lambda: scan(q, k, v, start).block_until_ready()) / layers * 1e6
-        timing["us"] = min(timing.values())
+        timing["us"] = timing.get("device_us") or min(timing.values())
         timing["gbs"] = read_bytes / timing["us"] / 1e3
+        timing["kernel_gbs"] = read_bytes / timing["kernel_us"] / 1e3 if "kernel_us" in timing else None
         return timing
 
     row = dict(batch=batch, tokens=tokens, context=context, layers=layers, kv_bytes=read_bytes,
@@ -234,33 +237,49 @@ def time_case(batch, tokens, context, configs, with_scan: bool = True) -> dict:
     for index, config in enumerate(configs):
         try:
             timing = measure(lambda q, k, v, l, s, c=config: attention_triton(
-                q, k, v, l, s, scale=scale, config=c), scan_too=with_scan and index == 0)
+                q, k, v, l, s, scale=scale, config=c), scan_too=with_scan and index == 0, wall_too=with_scan)
         except Exception as error:  # e.g. a variant needing more shared memory than the SM has
             log(f"  {config}: failed: {str(error)[:200]}")
             continue
         row["kernel"].append(dict(config=dataclasses.asdict(config), **timing))
     row["reference"] = measure(
-        lambda q, k, v, l, s: attention_reference(q, k, v, l, s, scale=scale), scan_too=True)
+        lambda q, k, v, l, s: attention_reference(q, k, v, l, s, scale=scale), scan_too=with_scan,
+        wall_too=with_scan)
     return row
 
 
-SWEEP_SHAPES = ((8, 1, 4096), (8, 16, 4096), (8, 1, 16384), (1, 1, 16384))
+def device_timing(calls, num_calls: int) -> dict:
+    """Per-call device time of calls() from a profiler trace: all its kernels (the attention kernel, the
+    split merge, any copy) and the costliest kernel alone. Empty where the trace shows no GPU kernels."""
+    kernels = traced_kernels(calls)
+    if not kernels:
+        return {}
+    totals: dict[str, float] = {}
+    for kernel in kernels:
+        totals[kernel.name] = totals.get(kernel.name, 0.0) + kernel.duration_ns
+    main = max(totals, key=totals.get)
+    return dict(device_us=sum(totals.values()) / num_calls / 1e3, kernel_us=median_duration_us(kernels, main),
+                kernels_per_call=len(kernels) / num_calls, main_kernel=main[:60])
+
+
+SWEEP_SHAPES = ((8, 1, 4096), (8, 4, 4096), (8, 1, 16384), (1, 1, 16384))
 
 
 def sweep_configs(batch, tokens, context) -> list[KernelConfig]:
-    """Variants of block_k x pipeline stages (x warps for many rows) at the default splits,
-    then the default again: the spread between its two timings is the noise."""
+    """Variants of block_k x pipeline stages x KV splits (x warps for many rows), then the default
+    again: the spread between its two timings is the noise."""
     base = default_config((batch, tokens, HEADS, HEAD_DIM), (1, batch, KV_HEADS, context, HEAD_DIM))
     many_rows = base.rows_per_tile >= 64
-    variants = [dataclasses.replace(base, block_k=block_k, num_stages=stages, num_warps=warps)
+    splits = sorted({max(1, base.num_splits // 2), base.num_splits, 2 * base.num_splits, 4 * base.num_splits})
+    variants = [dataclasses.replace(base, block_k=block_k, num_stages=stages, num_warps=warps, num_splits=n)
                 for block_k in (64, 128)
                 for stages in ((2, 3) if many_rows else (2, 3, 4))
-                for warps in ((4, 8) if many_rows else (base.num_warps,))]
-    variants.append(dataclasses.replace(base, num_splits=2 * base.num_splits))
+                for warps in ((4, 8) if many_rows else (base.num_warps,))
+                for n in splits]
     return [config for config in dict.fromkeys(variants) if config != base] + [base]
 
 
-def jax_flash_decoding(batch, context) -> dict:
+def jax_flash_decoding(batch, context, k_splits) -> dict:
     """JAX's own Pallas flash decoding (T=1) on per-layer [B,Hkv,S,D] caches, its per-call
     K/V transpose left out (its kernel on our layout), for comparison."""
     import functools
@@ -276,20 +295,16 @@ def jax_flash_decoding(batch, context) -> dict:
                                 dtype) for i in range(2 * layers)]
     inner = functools.partial(
         decode_attention.decode_attn_unbatched, sm_scale=HEAD_DIM ** -0.5, block_h=16,
-        block_k=128, k_splits=16, num_warps=None, num_stages=2, grid=None, interpret=False,
+        block_k=128, k_splits=k_splits, num_warps=None, num_stages=2, grid=None, interpret=False,
         debug=False, return_residuals=False, normalize_output=True)
     per_head = jax.vmap(jax.vmap(inner, in_axes=(0, 0, 0, None, None)),
                         in_axes=(0, 0, 0, None, None))
 
     call = jax.jit(lambda q, k, v: per_head(q, k, v, None, None))
-
-    def calls():
-        outs = [call(q, caches[2 * i], caches[2 * i + 1]) for i in range(layers)]
-        outs[-1].block_until_ready()
-
-    seconds = median_seconds(calls) / layers
+    timing = device_timing(lambda: [call(q, caches[2 * i], caches[2 * i + 1]) for i in range(layers)], layers)
     read_bytes = 2 * batch * KV_HEADS * context * HEAD_DIM * 2
-    return dict(batch=batch, context=context, us=seconds * 1e6, gbs=read_bytes / seconds / 1e9)
+    return dict(batch=batch, context=context, k_splits=k_splits, **timing,
+                gbs=read_bytes / timing["device_us"] / 1e3 if timing else None)
 
 
 def compiled_program_report(batch=8, tokens=4, context=4096) -> dict:
@@ -352,17 +367,23 @@ def run_once_for_ncu() -> int:
 
 
 def print_table(rows, ceiling) -> None:
-    log(f"\nceiling (device copy, read+write): {ceiling:.0f} GB/s")
-    log(f"{'B':>2} {'T':>3} {'ctx':>6} | {'kernel us':>9} {'GB/s':>6} {'%copy':>6} | "
-        f"{'in scan':>7} | {'ref us':>8} {'GB/s':>6} | {'speedup':>7} | config")
+    log(f"\nceiling (device copy, read+write): {ceiling:.0f} GB/s; device us = every kernel of a call (trace)")
+    log(f"{'B':>2} {'T':>3} {'ctx':>6} | {'device us':>9} {'GB/s':>6} {'%copy':>6} | {'kernel us':>9} "
+        f"{'GB/s':>6} | {'calls us':>8} {'in scan':>7} | {'ref us':>8} {'GB/s':>6} | {'speedup':>7} | config")
     for row in rows:
         kernel, ref = row["kernel"][0], row["reference"]
         cfg = kernel["config"]
         log(f"{row['batch']:>2} {row['tokens']:>3} {row['context']:>6} | {kernel['us']:9.1f} "
             f"{kernel['gbs']:6.0f} {100 * kernel['gbs'] / ceiling:5.1f}% | "
-            f"{kernel.get('scan_us', float('nan')):7.1f} | {ref['us']:8.1f} {ref['gbs']:6.0f} | "
+            f"{kernel.get('kernel_us', float('nan')):9.1f} {kernel.get('kernel_gbs') or float('nan'):6.0f} | "
+            f"{kernel.get('calls_us', float('nan')):8.1f} {kernel.get('scan_us', float('nan')):7.1f} | "
+            f"{ref['us']:8.1f} {ref['gbs']:6.0f} | "
             f"{ref['us'] / kernel['us']:6.1f}x | bk={cfg['block_k']} stages={cfg['num_stages']} "
             f"splits={cfg['num_splits']} warps={cfg['num_warps']} rows={cfg['rows_per_tile']}")
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    return [tuple(int(n) for n in shape.split("x")) for shape in text.split(",")]
 
 
 def main() -> int:
@@ -371,6 +392,8 @@ def main() -> int:
     parser.add_argument("--skip-jax", action="store_true", help="skip JAX's flash decoding")
     parser.add_argument("--quick", action="store_true",
                         help="table of the key shapes (SWEEP_SHAPES) only, when device time is short")
+    parser.add_argument("--shapes", type=parse_shapes, default=None,
+                        help="BxTxCTX,... : the shapes of the table and the sweep (overrides --quick)")
     parser.add_argument("--ncu", action="store_true",
                         help="run a few configs once each, for Nsight Compute; no timing")
     args = parser.parse_args()
@@ -389,13 +412,14 @@ def main() -> int:
     log("copy bandwidth:", results["copy"])
     if not args.skip_jax:
         try:
-            results["jax_flash_decoding"] = [jax_flash_decoding(8, 4096),
-                                             jax_flash_decoding(1, 16384)]
+            results["jax_flash_decoding"] = [jax_flash_decoding(batch, context, splits)
+                                             for batch, context in ((8, 4096), (1, 16384))
+                                             for splits in (4, 8, 16)]
         except Exception as error:  # an internal JAX API: report, keep benchmarking
             results["jax_flash_decoding"] = repr(error)
         log("jax flash decoding (T=1):", results["jax_flash_decoding"])
-    shapes = (SWEEP_SHAPES if args.quick
-              else [(b, t, c) for b in BATCHES for c in CONTEXTS for t in TOKENS])
+    shapes = args.shapes or (SWEEP_SHAPES if args.quick
+                             else [(b, t, c) for b in BATCHES for c in CONTEXTS for t in TOKENS])
     results["timings"] = []
     for batch, tokens, context in shapes:
         config = default_config((batch, tokens, HEADS, HEAD_DIM), (1, batch, KV_HEADS, context, HEAD_DIM))
@@ -407,7 +431,7 @@ def main() -> int:
         save(results)
     print_table(results["timings"], ceiling)
     if args.sweep:
-        results["sweep"] = [sweep_case(*shape) for shape in SWEEP_SHAPES]
+        results["sweep"] = [sweep_case(*shape) for shape in args.shapes or SWEEP_SHAPES]
         save(results)
     return 0 if all(c["ok"] for c in results["correctness"]) else 1
 
@@ -421,7 +445,7 @@ def sweep_case(batch, tokens, context) -> dict:
         c = entry["config"]
         log(f"    bk={c['block_k']:3d} stages={c['num_stages']} splits={c['num_splits']:2d} "
             f"warps={c['num_warps']} rows={c['rows_per_tile']:3d}: {entry['us']:7.1f} us "
-            f"{entry['gbs']:6.0f} GB/s")
+            f"{entry['gbs']:6.0f} GB/s (kernel alone {entry.get('kernel_us', float('nan')):.1f} us)")
     return row
 
 

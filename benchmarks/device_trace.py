@@ -1,0 +1,83 @@
+"""What ran on the GPU, and for how long: kernel events read back from a jax.profiler trace.
+
+Wall-clock timing of a ~50 us kernel through back-to-back jitted calls carries the ~18 us dispatch of each
+call (RESULTS.md: the same configuration measured 50-86 us); the profiler's device events are the kernels'
+own durations. Run with `--xla_enable_command_buffers_during_profiling=true` in XLA_FLAGS when the trace
+must show the loop as it runs unprofiled (XLA otherwise leaves CUDA graphs off while tracing).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import jax
+from jax.profiler import ProfileData
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    name: str
+    op: str            # the HLO instruction it belongs to ('' when the trace does not say)
+    start_ns: float
+    duration_ns: float
+
+
+def traced_kernels(run: Callable[[], object], keep_trace: Path | None = None) -> list[Kernel]:
+    """The device activity (kernels, device copies) of run() (its result blocked on), in start order."""
+    jax.block_until_ready(run())   # compiled and warm before tracing
+    folder = Path(tempfile.mkdtemp())
+    with jax.profiler.trace(str(folder)):
+        jax.block_until_ready(run())
+    path = next(folder.rglob("*.xplane.pb"))
+    if keep_trace is not None:
+        shutil.copy(path, keep_trace)
+    kernels = []
+    for plane in ProfileData.from_file(str(path)).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):   # derived lines (XLA Ops, Modules) repeat the kernels
+                continue
+            for event in line.events:
+                stats = dict(event.stats)
+                kernels.append(Kernel(event.name, str(stats.get("hlo_op", "")), event.start_ns,
+                                      event.duration_ns))
+    shutil.rmtree(folder, ignore_errors=True)
+    return sorted(kernels, key=lambda k: k.start_ns)
+
+
+def busy_ns(kernels: list[Kernel]) -> float:
+    """Time at least one kernel ran (the union of their intervals)."""
+    total, end = 0.0, float("-inf")
+    for k in kernels:
+        begin, finish = k.start_ns, k.start_ns + k.duration_ns
+        if finish > end:
+            total += finish - max(begin, end)
+            end = finish
+    return total
+
+
+def span_ns(kernels: list[Kernel]) -> float:
+    return max(k.start_ns + k.duration_ns for k in kernels) - kernels[0].start_ns if kernels else 0.0
+
+
+def median_duration_us(kernels: list[Kernel], name_part: str) -> float:
+    """Median duration of the kernels whose name contains name_part."""
+    durations = [k.duration_ns for k in kernels if name_part in k.name]
+    return statistics.median(durations) / 1e3 if durations else float("nan")
+
+
+def by_kernel(kernels: list[Kernel], per: int = 1, top: int = 25) -> list[dict]:
+    """Total time and count per kind of kernel (its name, numeric suffix dropped: inside a CUDA graph every
+    kernel's op is the graph's), largest first, divided by `per` (e.g. the loop iterations traced)."""
+    groups: dict[str, list[float]] = collections.defaultdict(list)
+    for k in kernels:
+        groups[re.sub(r"[._]\d+$", "", k.name)].append(k.duration_ns)
+    rows = [dict(kernel=name, count=len(d) / per, us=sum(d) / per / 1e3) for name, d in groups.items()]
+    return sorted(rows, key=lambda r: -r["us"])[:top]
