@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks.common import (LLAMA31_8B, LLAMA32_1B, copy_bandwidth, kv_bytes_per_token, matmul_flops,
                                median_time, print_table, weight_bytes, write_json)
-from specjax.engine.loop import LoopSpec, build_generate
+from specjax.engine.loop import LoopSpec, build_generate, loop_compiler_options
 from specjax.engine.proposers.base import NoProposer
 from specjax.engine.proposers.draft_model import DraftModelProposer
 from specjax.engine.proposers.eagle import EagleProposer
@@ -73,10 +73,13 @@ def rows_params(B, max_tokens, seed=0):
                      min_tokens=jnp.zeros((B,), jnp.int32), stop_ids=jnp.full((B, 1), -1, jnp.int32))
 
 
-def generate_fn(graph, proposer, mesh=None):
-    """The jitted generate loop; under `mesh`, sharded as the LLM facade runs it."""
+def generate_fn(graph, proposer, mesh=None, compiler_options=None):
+    """The jitted generate loop; under `mesh`, sharded as the LLM facade runs it. compiler_options: the
+    engine's (loop_compiler_options) unless given."""
     generate = build_generate(graph, proposer, LoopSpec(k=proposer.k, n_top=0, max_model_len=8192, greedy=True))
-    return jax.jit(generate if mesh is None else sharded_generate(generate, mesh), static_argnums=5)
+    options = loop_compiler_options() if compiler_options is None else compiler_options
+    return jax.jit(generate if mesh is None else sharded_generate(generate, mesh), static_argnums=5,
+                   compiler_options=options)
 
 
 def run_generate(graph, state, proposer, draft_state, B, prompt_len, new_tokens, rates=None, gen=None):

@@ -2,6 +2,7 @@
 
     fn = make_generate_fn(llm, SamplingParams(temperature=0.8, max_tokens=64))
     tokens, lengths, stats = jax.jit(fn)(llm.params, llm.draft_params, prompt_tokens, prompt_lengths, rng)
+    # on GPUs, jit it with specjax.engine.loop.loop_compiler_options() to run the loop as one CUDA graph
     jax.vmap(fn, in_axes=(None, None, None, None, 0))(..., jax.random.split(rng, 8))   # over seeds
 
 prompt_tokens [B, P] int32 right-padded, prompt_lengths [B] int32 (1 <= length <= P). Returns tokens [B, S]

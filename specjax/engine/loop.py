@@ -46,6 +46,17 @@ def build_generate(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpe
     return generate
 
 
+def loop_compiler_options() -> dict[str, str]:
+    """XLA options to jit a generate loop with (`jax.jit(generate, compiler_options=...)`). On GPUs the whole
+    while loop, its condition included, becomes one CUDA graph (WHILE and CONDITIONAL command buffers, beside
+    XLA's default kinds): the host no longer reads the loop predicate back and relaunches the body's graph
+    every step (H200, SmolLM2-135M shape, batch 1: 1.08 -> 0.93 ms per token). Empty elsewhere."""
+    if jax.default_backend() != "gpu":
+        return {}
+    return {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,"
+                                             "WHILE,CONDITIONAL"}
+
+
 def _exact_matmuls(dtype) -> contextlib.AbstractContextManager:
     """float32 models trace their matmuls at full float32 precision: GPUs otherwise run them in TF32, which
     rounds a (k+1)-token verify pass differently from a one-token step, so greedy speculation would no longer

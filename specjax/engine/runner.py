@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from specjax.engine.loop import LoopSpec, build_generate
+from specjax.engine.loop import LoopSpec, build_generate, loop_compiler_options
 from specjax.engine.proposers.base import Proposer
 from specjax.engine.sampling import GREEDY_TEMPERATURE_EPS
 from specjax.engine.state import LoopState, RowParams
@@ -79,7 +79,8 @@ class WaveRunner:
             generate = build_generate(self.target_graph, self.proposer, spec)
             if self.mesh is not None:
                 generate = sharded_generate(generate, self.mesh)
-            self._compiled[n_top, greedy] = jax.jit(generate, static_argnums=(5,))
+            self._compiled[n_top, greedy] = jax.jit(generate, static_argnums=(5,),
+                                                    compiler_options=loop_compiler_options())
         return self._compiled[n_top, greedy]
 
     def _pack(self, wave: Sequence[Request]) -> tuple[np.ndarray, np.ndarray, RowParams, int]:
