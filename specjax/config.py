@@ -19,6 +19,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from specjax.kernels.platform import IMPLS
+
 # --------------------------------------------------------------------------------------------
 # LLM(...) / EngineArgs
 # --------------------------------------------------------------------------------------------
@@ -29,7 +31,6 @@ DTYPE_ALIASES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "fp16": "float16", "half": "float16",
 }
-ATTENTION_IMPLS = ("auto", "reference", "triton")
 # vLLM's offline LLM default; the engine may run fewer rows when fewer prompts are given.
 DEFAULT_MAX_NUM_SEQS = 256
 
@@ -84,7 +85,8 @@ class EngineConfig:
     tokenizer: defaults to `model`. dtype: "auto", "float32", "bfloat16" or "float16".
     max_model_len: None means the model's own limit (the loader resolves it).
     speculative_config: the raw dict, parsed by `SpeculativeConfig.from_dict` once the
-    target's max_model_len is known.
+    target's max_model_len is known. attention_impl: "auto" (the Pallas kernels, attention and the fused
+    projections, where they run), "reference" (pure JAX everywhere) or "triton" (the kernels forced).
     """
 
     model: str
@@ -134,8 +136,8 @@ class EngineConfig:
         if self.speculative_config is not None and not isinstance(self.speculative_config, Mapping):
             raise TypeError(f"speculative_config must be a dict (e.g. {{'method': 'ngram', "
                             f"'num_speculative_tokens': 4}}) or None, got {self.speculative_config!r}")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        if self.attention_impl not in IMPLS:
+            raise ValueError(f"attention_impl must be one of {IMPLS}, got {self.attention_impl!r}")
         spec = None if self.speculative_config is None else dict(self.speculative_config)
         return dataclasses.replace(self, dtype=canonical_dtype(self.dtype), speculative_config=spec)
 

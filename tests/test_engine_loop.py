@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax.engine.loop import LoopSpec, build_generate
+import specjax.kernels.projection as projection_module
+from specjax.engine.loop import LoopSpec, build_generate, loop_compiler_options
 from specjax.engine.proposers.base import NoProposer
 from specjax.engine.proposers.build import NgramProposer
 from specjax.engine.proposers.draft_model import DraftModelProposer
@@ -82,6 +83,19 @@ def test_greedy_speculation_equals_plain_decoding(plain, make, k):
     state = _run(make(k), _rows(4), k)
     assert _generated(state) == plain
     assert [len(g) for g in plain] == [30, 30, 12, 30]
+
+
+def test_greedy_speculation_equals_plain_decoding_with_the_projection_kernel(plain, monkeypatch):
+    """The model's projections through the fused Pallas kernel (interpret mode, as on a GPU): a verify pass
+    rounds each token as a decode step does, so speculation still reproduces plain decoding exactly; and
+    plain decoding matches the XLA path's tokens on this peaked model."""
+    monkeypatch.setattr(projection_module, "choose_impl", lambda device: "triton")
+    kernel = projection_module.projection_triton
+    monkeypatch.setattr(projection_module, "projection_triton",
+                        lambda *args, **kwargs: kernel(*args, **(kwargs | dict(interpret=True))))
+    with_kernel = _generated(_run(NoProposer(), _rows(4), 0))
+    assert _generated(_run(NgramProposer(3, 1, 3), _rows(4), 3)) == with_kernel
+    assert with_kernel == plain
 
 
 def test_self_drafting_accepts_every_draft_the_limits_allow():
@@ -160,3 +174,15 @@ def test_float32_loops_pin_full_precision_matmuls(dtype, precision):
     text = fn.lower(state, None, tokens, lengths, _rows(4), MAX_LEN + 4).as_text()
     precisions = set(re.findall(r"dot_general.*precision = \[(\w+), \w+\]", text))
     assert precisions == {precision}
+
+
+def test_loop_compiler_options_are_options_xla_accepts(monkeypatch):
+    """On GPUs the loop compiles with WHILE/CONDITIONAL command buffers (the whole loop one CUDA graph);
+    elsewhere with XLA's defaults. XLA parses the options on any backend, so a misspelt kind fails here."""
+    assert loop_compiler_options() == ({} if jax.default_backend() != "gpu" else loop_compiler_options())
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    options = loop_compiler_options()
+    kinds = options["xla_gpu_enable_command_buffer"].split(",")
+    assert {"WHILE", "CONDITIONAL", "FUSION", "CUBLAS", "CUSTOM_CALL"} <= set(kinds)
+    monkeypatch.undo()
+    assert float(jax.jit(lambda x: x + 1, compiler_options=options)(1.0)) == 2.0

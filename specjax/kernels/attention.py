@@ -15,24 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from specjax.kernels.attention_reference import attention_reference
 from specjax.kernels.attention_triton import KernelConfig, attention_triton, unsupported_reason
+from specjax.kernels.platform import IMPLS, Impl, choose_impl
 from specjax.parallel import Layout, current_layout, shards_kv_heads
-
-Impl = Literal["auto", "reference", "triton"]
-_IMPLS = ("auto", "reference", "triton")
-# Triton's Pallas backend needs Ampere (sm_80) or newer.
-_MIN_COMPUTE_CAPABILITY = 8
-
-
-def choose_impl(device: jax.Device) -> Literal["reference", "triton"]:
-    """The implementation `impl="auto"` uses on `device`."""
-    if device.platform != "gpu":
-        return "reference"
-    capability = str(getattr(device, "compute_capability", ""))
-    major = capability.split(".")[0]
-    # ROCm devices report a gfx name here, not a number: they get the reference.
-    if not major.isdigit() or int(major) < _MIN_COMPUTE_CAPABILITY:
-        return "reference"
-    return "triton"
 
 
 def attention(
@@ -123,8 +107,8 @@ def _resolve_impl(impl: Impl, interpret: bool, q_shape: tuple[int, ...],
 
 def _check_inputs(q, k_cache, v_cache, layer, start, scale, impl) -> None:
     """Raise a clear error for inconsistent inputs before anything is compiled."""
-    if impl not in _IMPLS:
-        raise ValueError(f"attention: impl={impl!r} is not one of {_IMPLS}")
+    if impl not in IMPLS:
+        raise ValueError(f"attention: impl={impl!r} is not one of {IMPLS}")
     if not isinstance(scale, (int, float)):
         raise TypeError(f"attention: scale must be a Python float (static), got {type(scale).__name__}")
     if q.ndim != 4:

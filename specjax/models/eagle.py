@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.kernels.attention import attention
+from specjax.kernels.projection import projection
 from specjax.models.kv_cache import KVCache, write_layer
 from specjax.models.layers import apply_rope, qkv_projection, rms_norm, rope_inv_freq, swiglu_mlp
 from specjax.models.model_config import ModelConfig
@@ -200,9 +201,11 @@ class EagleHead(nnx.Module):
         cfg = self.cfg.layers
         B, T = positions.shape
         bias = layer.b_qkv[...] if cfg.attention_bias else None
-        q, k, v = qkv_projection(x, layer.w_qkv[...], bias, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = qkv_projection(x, layer.w_qkv[...], bias, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                 impl=self.attention_impl)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        h = residual + attend(index, q, k, v).reshape(B, T, -1) @ layer.wo[...]
-        mlp_in = rms_norm(h, layer.mlp_norm[...], cfg.rms_norm_eps)
-        return h + swiglu_mlp(mlp_in, layer.w_gate_up[...], layer.w_down[...])
+        h = projection(attend(index, q, k, v).reshape(B, T, -1), layer.wo[...], residual=residual,
+                       impl=self.attention_impl)
+        return swiglu_mlp(h, layer.w_gate_up[...], layer.w_down[...], norm=layer.mlp_norm[...],
+                          eps=cfg.rms_norm_eps, residual=h, impl=self.attention_impl)
 

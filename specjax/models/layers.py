@@ -1,5 +1,6 @@
-"""Building blocks shared by the Llama family: RMSNorm, rotary embeddings (with llama3 scaling), fused
-projection weights, SwiGLU MLP."""
+"""Building blocks shared by the Llama family: rotary embeddings (with llama3 scaling), the fused q/k/v
+projection, the SwiGLU MLP; RMSNorm and the projections themselves are specjax.kernels' (a fused Pallas
+kernel on GPUs where launches bound them)."""
 from __future__ import annotations
 
 import math
@@ -9,15 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from checkpoints_conv.fused_columns import split_columns
+from specjax.kernels.projection import projection
+from specjax.kernels.projection_reference import rms_norm  # noqa: F401  (the models' RMSNorm)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in fp32 and cast back, as transformers does."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:
@@ -57,10 +53,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 
 def qkv_projection(x: jax.Array, w_qkv: jax.Array, b_qkv: jax.Array | None, num_heads: int, num_kv_heads: int,
-                   head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   head_dim: int, *, norm: jax.Array | None = None, eps: float = 0.0,
+                   impl: str = "auto") -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [..., Hq, D], k and v [..., Hkv, D] from one matmul with the fused q/k/v weights (one group per kv
-    head, checkpoints_conv.fused_columns)."""
-    qkv = x @ w_qkv if b_qkv is None else x @ w_qkv + b_qkv
+    head, checkpoints_conv.fused_columns), of rms_norm(x, norm) when a norm weight is given."""
+    qkv = projection(x, w_qkv, norm=norm, eps=eps, impl=impl)
+    if b_qkv is not None:
+        qkv = qkv + b_qkv
     q, k, v = split_columns(qkv, (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim),
                             num_kv_heads)
     lead = x.shape[:-1]
@@ -68,8 +67,9 @@ def qkv_projection(x: jax.Array, w_qkv: jax.Array, b_qkv: jax.Array | None, num_
             v.reshape(*lead, num_kv_heads, head_dim))
 
 
-def swiglu_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """SwiGLU with gate and up fused column by column ([H, 2I], checkpoints_conv.fused_columns)."""
-    intermediate = w_down.shape[0]
-    gate, up = split_columns(x @ w_gate_up, (intermediate, intermediate), intermediate)
-    return (jax.nn.silu(gate) * up) @ w_down
+def swiglu_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, norm: jax.Array | None = None,
+               eps: float = 0.0, residual: jax.Array | None = None, impl: str = "auto") -> jax.Array:
+    """residual + SwiGLU(rms_norm(x, norm)), gate and up fused column by column ([H, 2I],
+    checkpoints_conv.fused_columns)."""
+    hidden = projection(x, w_gate_up, norm=norm, eps=eps, activation="swiglu", impl=impl)
+    return projection(hidden, w_down, residual=residual, impl=impl)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.kernels.attention import attention
+from specjax.kernels.projection import projection
 from specjax.models.kv_cache import KVCache, write_layer
 from specjax.models.layers import apply_rope, qkv_projection, rms_norm, rope_inv_freq, swiglu_mlp
 from specjax.models.model_config import ModelConfig
@@ -145,16 +146,16 @@ class LlamaForCausalLM(nnx.Module):
         def layer(carry, xs):
             h, k_cache, v_cache = carry
             w, i = xs
-            x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = pin_heads(*qkv_projection(x, w["w_qkv"], w.get("b_qkv"), cfg.num_heads, cfg.num_kv_heads,
-                                                cfg.head_dim))
+            q, k, v = pin_heads(*qkv_projection(h, w["w_qkv"], w.get("b_qkv"), cfg.num_heads, cfg.num_kv_heads,
+                                                cfg.head_dim, norm=w["attn_norm"], eps=cfg.rms_norm_eps, impl=impl))
             if cfg.qk_norm:
                 q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
             k_cache, v_cache = write_layer(k_cache, i, k, start), write_layer(v_cache, i, v, start)
             o = attention(q, k_cache, v_cache, i, start, scale=cfg.head_dim ** -0.5, impl=impl)
-            h_attn = h + o.reshape(B, T, -1) @ w["wo"]
-            out = h_attn + swiglu_mlp(rms_norm(h_attn, w["mlp_norm"], cfg.rms_norm_eps), w["w_gate_up"], w["w_down"])
+            h_attn = projection(o.reshape(B, T, -1), w["wo"], residual=h, impl=impl)
+            out = swiglu_mlp(h_attn, w["w_gate_up"], w["w_down"], norm=w["mlp_norm"], eps=cfg.rms_norm_eps,
+                             residual=h_attn, impl=impl)
             return (out, k_cache, v_cache), h
 
         return layer

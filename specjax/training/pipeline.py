@@ -99,7 +99,7 @@ def _initial_head(cfg: PipelineConfig, target_cfg, target_params, aux_ids: tuple
     if not cfg.init_head:
         return None
     dtype = target_params["embed"][...].dtype
-    head = load_eagle_head(cfg.init_head, "eagle3", target_cfg, target_params, dtype)
+    head = load_eagle_head(cfg.init_head, "eagle3", target_cfg, target_params, dtype, attention_impl="reference")
     if head.cfg.lm_head_source != "head":
         raise ValueError(f"init_head={cfg.init_head!r} has no lm_head of its own; training continues EAGLE-3 "
                          "heads saved by this pipeline (or published with lm_head.weight)")

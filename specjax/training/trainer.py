@@ -53,7 +53,8 @@ def new_head(target_cfg: ModelConfig, target_state: Any, draft_ids: np.ndarray, 
     cfg = EagleConfig(method="eagle3", layers=layers, target_hidden_size=target_cfg.hidden_size,
                       draft_vocab_size=len(draft_ids), aux_layer_ids=tuple(aux_layer_ids))
     dtype = target_state["embed"][...].dtype
-    head = EagleHead(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+    # Trained under jax.grad: the pure-JAX maths (the Pallas kernels have no derivatives).
+    head = EagleHead(cfg, dtype=dtype, rngs=nnx.Rngs(seed), attention_impl="reference")
     head.embed = Frozen(target_state["embed"][...])
     # Output norm and lm_head start as the target's own: a head that reproduced the target's final hidden
     # state would then reproduce its logits.
