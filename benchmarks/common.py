@@ -27,6 +27,12 @@ LLAMA32_1B = ModelConfig(
     num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
     rope_scaling=LLAMA31_8B.rope_scaling, tie_word_embeddings=True, attention_bias=False, qk_norm=False,
     max_position_embeddings=131072, bos_token_id=128000, eos_token_ids=(128001,), torch_dtype="bfloat16")
+# The default model's shape (SmolLM2-135M-Instruct): its decode step is launch-bound, not bandwidth-bound.
+SMOLLM2_135M = ModelConfig(
+    architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+    num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, rope_scaling=None,
+    tie_word_embeddings=True, attention_bias=False, qk_norm=False, max_position_embeddings=8192,
+    bos_token_id=1, eos_token_ids=(2,), torch_dtype="bfloat16")
 
 
 def median_time(fn: Callable[[], object], repeats: int = 10, warmup: int = 2) -> float:

@@ -1,16 +1,20 @@
-"""Probe: where do the decoder layers' weights get copied? Times one decode step of the 8B shape (batch 1,
-context 1024) with scanned vs unrolled layers, and the same model's step inside the generate while_loop,
-and counts the weight-shaped buffers each compiled program materialises (a slice that feeds a matmul
-without a copy leaves none; a copied slice shows up as an instruction of weight shape).
+"""Probe: where does a decode step's time go? Times one decode step of the 8B shape (batch 1, context 1024)
+with scanned vs unrolled layers, and the same model's step inside the generate while_loop, and counts the
+weight-shaped buffers each compiled program materialises (a slice that feeds a matmul without a copy leaves
+none; a copied slice shows up as an instruction of weight shape). `--shape smollm2` probes the default
+model's shape instead (context 128), whose step is bound by kernel launches, not bandwidth.
 
-    PYTHONPATH=. python benchmarks/probe_layer_loop.py [scan] [unroll] [loop] [--trace] [--smoke]
-    (run again with XLA_FLAGS to compare flags; --trace writes a jax.profiler trace of the loop to $OUT)
+    PYTHONPATH=. python benchmarks/probe_layer_loop.py [scan] [unroll] [loop] [--shape 8b|smollm2]
+    [--impl auto|reference] [--xla-projections] [--trace] [--body-graphs] [--smoke]
+(run again with XLA_FLAGS to compare flags; --trace profiles the loop: device kernels per iteration, time the
+GPU was busy, the costliest ops, and the trace itself in $OUT. The profiler sees no kernel inside a loop run
+as one CUDA graph: --body-graphs compiles the loop with XLA's default command buffers, one per body)
 """
 from __future__ import annotations
 
+import json
 import os
 import re
-import shutil
 import sys
 import tempfile
 from collections import Counter
@@ -20,13 +24,24 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import specjax.kernels.projection as projection_module
 from benchmarks.bench_engine import generate_fn, rows_params, smoke_configs, step_fn
-from benchmarks.common import LLAMA31_8B, copy_bandwidth, kv_bytes_per_token, median_time, weight_bytes
+from benchmarks.common import (
+    LLAMA31_8B,
+    SMOLLM2_135M,
+    copy_bandwidth,
+    kv_bytes_per_token,
+    median_time,
+    print_table,
+    weight_bytes,
+)
+from benchmarks.device_trace import busy_ns, by_kernel, span_ns, traced_kernels
 from specjax.engine.proposers.base import NoProposer
 from specjax.models.kv_cache import init_cache
 from specjax.models.llama import LlamaForCausalLM
 
-CONTEXT, NEW_TOKENS = 1024, 128
+NEW_TOKENS = 128
+SHAPES = {"8b": (LLAMA31_8B, 1024), "smollm2": (SMOLLM2_135M, 128)}   # (config, context)
 
 
 def weight_shapes(cfg) -> set[str]:
@@ -55,15 +70,16 @@ def kernels_per_iteration(hlo: str) -> int:
     return len(re.findall(r" = \S+ (?:fusion|custom-call|copy)\(", text))
 
 
-def model(cfg, unroll: bool):
-    return nnx.split(LlamaForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), unroll_layers=unroll))
+def model(cfg, unroll: bool, impl: str = "auto"):
+    return nnx.split(LlamaForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), unroll_layers=unroll,
+                                      attention_impl=impl))
 
 
-def probe_step(cfg, unroll: bool, floor: float, shapes: set[str]) -> None:
+def probe_step(cfg, context: int, unroll: bool, floor: float, shapes: set[str]) -> None:
     graph, state = model(cfg, unroll)
     step = step_fn(graph)
-    holder = [init_cache(cfg, 1, CONTEXT + 16, jnp.bfloat16)]
-    tokens, start = jnp.ones((1, 1), jnp.int32), jnp.full((1,), CONTEXT, jnp.int32)
+    holder = [init_cache(cfg, 1, context + 16, jnp.bfloat16)]
+    tokens, start = jnp.ones((1, 1), jnp.int32), jnp.full((1,), context, jnp.int32)
     hlo = step.lower(state, holder[0], tokens, start).compile().as_text()
 
     def run():
@@ -74,15 +90,17 @@ def probe_step(cfg, unroll: bool, floor: float, shapes: set[str]) -> None:
           f"weight-shaped results: {dict(materialised_weights(hlo, shapes))}", flush=True)
 
 
-def probe_loop(cfg, floor: float, shapes: set[str], trace: bool) -> None:
-    """Per-iteration time of the plain generate loop (unrolled layers), prompt CONTEXT tokens."""
-    graph, state = model(cfg, True)
-    gen = generate_fn(graph, NoProposer())
-    prompts = jnp.ones((1, CONTEXT), jnp.int32)
-    lengths = jnp.full((1,), CONTEXT, jnp.int32)
+def probe_loop(cfg, context: int, floor: float, shapes: set[str], trace: bool, impl: str, whole_graph: bool) -> None:
+    """Per-iteration time of the plain generate loop (unrolled layers), prompt `context` tokens. whole_graph:
+    the engine's compiler options (the loop as one CUDA graph, whose kernels the profiler does not see);
+    else XLA's defaults (one graph per body, each kernel traced)."""
+    graph, state = model(cfg, True, impl)
+    gen = generate_fn(graph, NoProposer(), compiler_options=None if whole_graph else {})
+    prompts = jnp.ones((1, context), jnp.int32)
+    lengths = jnp.full((1,), context, jnp.int32)
     times = {}
     for n in (1, NEW_TOKENS):
-        args = (state, None, prompts, lengths, rows_params(1, n), CONTEXT + NEW_TOKENS + 1)
+        args = (state, None, prompts, lengths, rows_params(1, n), context + NEW_TOKENS + 1)
         jax.block_until_ready(gen(*args))
         times[n] = median_time(lambda: gen(*args), repeats=3, warmup=0)
     per_iteration = (times[NEW_TOKENS] - times[1]) / (NEW_TOKENS - 1)
@@ -94,25 +112,43 @@ def probe_loop(cfg, floor: float, shapes: set[str], trace: bool) -> None:
           f"weight-shaped results: {dict(materialised_weights(hlo, shapes))}; HLO in {out / 'loop_hlo.txt'}",
           flush=True)
     if trace:
-        folder = Path(tempfile.mkdtemp())
-        with jax.profiler.trace(str(folder)):
-            jax.block_until_ready(gen(*args))
-        for i, f in enumerate(folder.rglob("*.xplane.pb")):   # $OUT returns files at most 2 folders down
-            shutil.copy(f, out / f"loop_trace_{i}.xplane.pb")
+        profile_loop(lambda: gen(*args), per_iteration, out)
+
+
+def profile_loop(run, per_iteration: float, out: Path) -> None:
+    """Where an iteration's time goes on the device: kernels, busy time, the costliest ops."""
+    kernels = traced_kernels(run, keep_trace=out / "loop_trace.xplane.pb")
+    n = NEW_TOKENS
+    summary = dict(kernels_per_iteration=len(kernels) / n, busy_us_per_iteration=busy_ns(kernels) / n / 1e3,
+                   span_us_per_iteration=span_ns(kernels) / n / 1e3, wall_us_per_iteration=1e6 * per_iteration,
+                   kernels=by_kernel(kernels, per=n))
+    (out / "loop_profile.json").write_text(json.dumps(summary, indent=1))
+    print(f"profile: {summary['kernels_per_iteration']:.1f} device kernels per iteration, GPU busy "
+          f"{summary['busy_us_per_iteration']:.0f} us of {summary['span_us_per_iteration']:.0f} us traced per "
+          f"iteration ({1e6 * per_iteration:.0f} us untraced); costliest ops per iteration:", flush=True)
+    print_table(summary["kernels"])
 
 
 def main() -> None:
-    modes = [a for a in sys.argv[1:] if not a.startswith("--")] or ["scan", "unroll", "loop"]
-    cfg = smoke_configs()[0] if "--smoke" in sys.argv else LLAMA31_8B
-    bandwidth = copy_bandwidth(1 << 26 if "--smoke" in sys.argv else 2 << 30)
-    floor = (weight_bytes(cfg) + CONTEXT * kv_bytes_per_token(cfg)) / bandwidth
+    args = sys.argv[1:]
+    shape = args[args.index("--shape") + 1] if "--shape" in args else "8b"
+    impl = args[args.index("--impl") + 1] if "--impl" in args else "auto"
+    if "--xla-projections" in args:   # the projection kernel off, the attention kernel on
+        projection_module.SMALL_WEIGHT_BYTES = 0
+    modes = [a for a in args if not a.startswith("--") and a not in (shape, impl)] or ["scan", "unroll", "loop"]
+    cfg, context = SHAPES[shape]
+    if "--smoke" in args:
+        cfg = smoke_configs()[0]
+    bandwidth = copy_bandwidth(1 << 26 if "--smoke" in args else 2 << 30)
+    floor = (weight_bytes(cfg) + context * kv_bytes_per_token(cfg)) / bandwidth
     shapes = weight_shapes(cfg)
-    print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, copy {bandwidth / 1e12:.2f} TB/s", flush=True)
+    print(f"shape {shape}, impl {impl}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, copy {bandwidth / 1e12:.2f} TB/s",
+          flush=True)
     for mode in modes:
         if mode == "loop":
-            probe_loop(cfg, floor, shapes, "--trace" in sys.argv)
+            probe_loop(cfg, context, floor, shapes, "--trace" in args, impl, "--body-graphs" not in args)
         else:
-            probe_step(cfg, mode == "unroll", floor, shapes)
+            probe_step(cfg, context, mode == "unroll", floor, shapes)
 
 
 if __name__ == "__main__":
