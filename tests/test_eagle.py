@@ -18,7 +18,6 @@ from flax import nnx
 from checkpoints_conv.eagle_loader import load_eagle_head
 from specjax import LLM, SamplingParams
 from specjax import config as config_lib
-from specjax.engine import sampling
 from specjax.engine.loop import LoopSpec, build_generate
 from specjax.engine.proposers.base import TargetPass
 from specjax.engine.proposers.eagle import EagleProposer
