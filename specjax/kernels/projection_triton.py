@@ -8,7 +8,8 @@ residual add) in one launch:
 - one program per (tile of BLOCK_M rows, block of output columns), with enough column blocks to spread the
   weight over the SMs;
 - the reduction dimension is read in chunks of 256, software-pipelined so that several are in flight;
-- with a norm, the rows' sum of squares comes first (from the one chunk, or a pass over the few rows);
+- with a norm, a first pass over the program's rows sums their squares (the rows are few: reading them
+  twice costs nothing);
 - SwiGLU reads the gate and up columns (interleaved one by one, checkpoints_conv.fused_columns) as one
   contiguous tile and separates the two halves of the product with exact 0/1 selection dots;
 - a row's result depends on that row alone and the tile shapes do not depend on the row count, so a token
