@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.kernels.platform import IMPLS, Impl, choose_impl
-from specjax.kernels.projection_reference import projection_reference
+from specjax.kernels.projection_reference import output_features, projection_reference
 from specjax.kernels.projection_triton import ProjectionConfig, projection_triton
 from specjax.parallel import current_layout
 
@@ -63,6 +63,6 @@ def _check_inputs(x, w, norm, activation, residual, impl) -> None:
         raise ValueError(f"projection: norm must be [K={w.shape[0]}], got {norm.shape}")
     if activation == "swiglu" and w.shape[1] % 2:
         raise ValueError(f"projection: swiglu needs an even number of fused gate/up columns, got {w.shape[1]}")
-    out_features = w.shape[1] // 2 if activation == "swiglu" else w.shape[1]
+    out_features = output_features(w, activation)
     if residual is not None and residual.shape != x.shape[:-1] + (out_features,):
         raise ValueError(f"projection: residual must be {x.shape[:-1] + (out_features,)}, got {residual.shape}")

@@ -26,6 +26,11 @@ def swiglu(gate_up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
+def output_features(w: jax.Array, activation: str | None) -> int:
+    """Width of the projection's output: w's columns, half of them after SwiGLU (gate and up fused)."""
+    return w.shape[1] // 2 if activation == "swiglu" else w.shape[1]
+
+
 def projection_reference(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = None, eps: float = 0.0,
                          activation: str | None = None, residual: jax.Array | None = None) -> jax.Array:
     """residual + act(rms_norm(x) @ w): x [..., K], w [K, N] -> [..., N] (N/2 with activation="swiglu")."""

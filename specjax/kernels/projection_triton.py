@@ -27,6 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from specjax.kernels.projection_reference import output_features
+
 # Triton's matrix units need at least 16 rows per dot; the row tile never changes with the row count.
 BLOCK_M = 16
 _MIN_BLOCK_N, _MAX_BLOCK_N = 16, 64
@@ -62,8 +64,7 @@ def projection_triton(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = No
     """residual + act(rms_norm(x) @ w) for x [..., K], w [K, N]: specjax.kernels.projection_reference."""
     lead, in_features = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
-    swiglu = activation == "swiglu"
-    out_features = w.shape[1] // 2 if swiglu else w.shape[1]
+    out_features = output_features(w, activation)
     config = config or default_config(in_features, out_features)
     args = [x.reshape(rows, in_features)]
     if norm is not None:
@@ -72,7 +73,8 @@ def projection_triton(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = No
     if residual is not None:
         args.append(residual.reshape(rows, out_features))
     kernel = functools.partial(
-        _projection_kernel, has_norm=norm is not None, has_residual=residual is not None, swiglu=swiglu,
+        _projection_kernel, has_norm=norm is not None, has_residual=residual is not None,
+        swiglu=activation == "swiglu",
         rows=rows, in_features=in_features, out_features=out_features, eps=eps, block_n=config.block_n,
         block_k=config.block_k,
         precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT)
