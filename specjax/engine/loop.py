@@ -69,7 +69,7 @@ def _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows,
     cfg = target.cfg
     cache = init_cache(cfg, B, cache_len, target.embed[...].dtype)
     start = jnp.zeros((B,), jnp.int32)
-    hidden, cache, aux = target(prompt_tokens, start, cache, capture_layers=proposer.capture_layers)
+    hidden, cache, aux = target(prompt_tokens, start, cache, capture_layers=proposer.capture_layers, fresh=True)
     last_hidden = hidden[jnp.arange(B), prompt_lengths - 1][:, None]  # [B, 1, H]
     raw_logits = gather_vocab(target.logits(last_hidden))
     logits = _mask_stop_ids(raw_logits, rows, generated=jnp.zeros((B,), jnp.int32))

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.kernels.attention import attention
+from specjax.kernels.prefill_attention import prefill_attention
 from specjax.kernels.projection import projection
 from specjax.models.kv_cache import KVCache, write_layer
 from specjax.models.layers import apply_rope, qkv_projection, rms_norm, rope_inv_freq, swiglu_mlp
@@ -107,16 +108,17 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = _init(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
     def __call__(self, tokens: jax.Array, start: jax.Array, cache: KVCache,
-                 capture_layers: tuple[int, ...] = ()) -> tuple[jax.Array, KVCache, ForwardAux]:
+                 capture_layers: tuple[int, ...] = (), fresh: bool = False) -> tuple[jax.Array, KVCache, ForwardAux]:
         """Run T tokens per row [B, T] at positions start[b] .. start[b]+T-1.
 
         Returns the final-normed hidden states [B, T, H], the cache with these tokens' K/V written, and the
-        residual stream entering each layer of `capture_layers` (EAGLE-3 reads those).
+        residual stream entering each layer of `capture_layers` (EAGLE-3 reads those). fresh (static): this is
+        a prompt's prefill (start is all zeros, the cache holds nothing yet), so attention may skip the cache.
         """
         T = tokens.shape[1]
         positions = start[:, None] + jnp.arange(T, dtype=start.dtype)[None, :]
         h = self.embed[...][tokens]
-        layer_fn = self._layer_fn(positions, start)
+        layer_fn = self._layer_fn(positions, start, fresh)
         carry = (h, cache.k, cache.v)
         if self.unroll_layers:
             entering = []
@@ -138,7 +140,7 @@ class LlamaForCausalLM(nnx.Module):
         head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
         return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
 
-    def _layer_fn(self, positions: jax.Array, start: jax.Array):
+    def _layer_fn(self, positions: jax.Array, start: jax.Array, fresh: bool):
         cfg, impl = self.cfg, self.attention_impl
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         B, T = positions.shape
@@ -152,7 +154,11 @@ class LlamaForCausalLM(nnx.Module):
                 q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
             k_cache, v_cache = write_layer(k_cache, i, k, start), write_layer(v_cache, i, v, start)
-            o = attention(q, k_cache, v_cache, i, start, scale=cfg.head_dim ** -0.5, impl=impl)
+            scale = cfg.head_dim ** -0.5
+            if fresh:
+                o = prefill_attention(q, k, v, k_cache, v_cache, i, scale=scale, impl=impl)
+            else:
+                o = attention(q, k_cache, v_cache, i, start, scale=scale, impl=impl)
             h_attn = projection(o.reshape(B, T, -1), w["wo"], residual=h, impl=impl)
             out = swiglu_mlp(h_attn, w["w_gate_up"], w["w_down"], norm=w["mlp_norm"], eps=cfg.rms_norm_eps,
                              residual=h_attn, impl=impl)

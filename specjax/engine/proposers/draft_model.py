@@ -25,7 +25,7 @@ class DraftModelProposer(IgnoresTarget):
     def init(self, draft_state, prompt_tokens: jax.Array, prompt_lengths: jax.Array, cache_len: int) -> KVCache:
         draft = nnx.merge(self.draft_graph, draft_state)
         cache = init_cache(draft.cfg, prompt_tokens.shape[0], cache_len, draft.embed[...].dtype)
-        _, cache, _ = draft(prompt_tokens, jnp.zeros_like(prompt_lengths), cache)
+        _, cache, _ = draft(prompt_tokens, jnp.zeros_like(prompt_lengths), cache, fresh=True)
         return cache
 
     def propose(self, draft_state, cache: KVCache, tokens: jax.Array, lengths: jax.Array, rows: RowParams):

@@ -1,0 +1,107 @@
+"""Prefill attention on a GPU: the Pallas kernel (against the KV cache) vs cuDNN and XLA (fresh K/V).
+
+Run in one device call:  PYTHONPATH=. python benchmarks/bench_prefill.py
+A prompt prefilled from position 0 attends only to itself, so it can run as causal self-attention
+over the freshly projected K/V [B, T, Hkv, D] (cuDNN's flash attention through
+`jax.nn.dot_product_attention`) instead of reading them back from the head-major cache
+[L, B, Hkv, S, D] (our kernel, which prefill uses today). For the Llama-3.1-8B and SmolLM2-135M
+attention shapes, bf16, batch 1 and 4, T = 128 .. 4096, this prints and writes (bench_prefill.json):
+device time per call from a profiler trace, achieved TFLOP/s (causal: half the T x T scores), and
+the error of each against the fp32 reference.
+"""
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import device_name, print_table, write_json
+from benchmarks.device_trace import busy_ns, traced_kernels
+from specjax.kernels.attention import attention
+from specjax.kernels.attention_reference import attention_reference
+
+SHAPES = {"8b": (32, 8, 128), "smollm2": (9, 3, 64)}
+TOKENS = (128, 512, 1024, 2048, 4096)
+BATCHES = (1, 4)
+CALLS = 5   # traced back to back, one trace per case
+
+
+def implementations(scale: float) -> dict:
+    """name -> fn(q [B,T,Hq,D], k, v [B,T,Hkv,D], k_cache, v_cache [1,B,Hkv,S,D]) for one prefill."""
+    start = lambda q: jnp.zeros((q.shape[0],), jnp.int32)
+    return {
+        "kernel": lambda q, k, v, kc, vc: attention(q, kc, vc, 0, start(q), scale=scale, impl="triton"),
+        "reference": lambda q, k, v, kc, vc: attention_reference(q, kc, vc, 0, start(q), scale=scale),
+        "cudnn": lambda q, k, v, kc, vc: jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=True, implementation="cudnn"),
+        "xla": lambda q, k, v, kc, vc: jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=True, implementation="xla"),
+    }
+
+
+def inputs(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int):
+    keys = jax.random.split(jax.random.key(tokens * 7 + batch), 3)
+    q = jax.random.normal(keys[0], (batch, tokens, heads, head_dim), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (batch, tokens, kv_heads, head_dim), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (batch, tokens, kv_heads, head_dim), jnp.bfloat16)
+    slots = tokens + 256   # the cache holds the generation budget too
+    pad = ((0, 0), (0, 0), (0, slots - tokens), (0, 0))
+    cache = lambda x: jnp.pad(x.swapaxes(1, 2), pad)[None]
+    return q, k, v, cache(k), cache(v)
+
+
+def device_us(fn, args) -> float:
+    """Device time of one call: the kernels' busy time over CALLS traced calls, divided by CALLS."""
+    call = jax.jit(fn)
+    return busy_ns(traced_kernels(lambda: [call(*args) for _ in range(CALLS)])) / CALLS / 1e3
+
+
+def relative_error(out, expected) -> float:
+    out, expected = np.asarray(out, np.float64), np.asarray(expected, np.float64)
+    return float(np.linalg.norm(out - expected) / np.linalg.norm(expected)) if np.isfinite(out).all() else float("nan")
+
+
+def case(shape: str, batch: int, tokens: int) -> dict:
+    heads, kv_heads, head_dim = SHAPES[shape]
+    scale = head_dim ** -0.5
+    args = inputs(batch, tokens, heads, kv_heads, head_dim)
+    with jax.default_matmul_precision("highest"):
+        expected = jax.jit(lambda q, kc, vc: attention_reference(
+            q.astype(jnp.float32), kc.astype(jnp.float32), vc.astype(jnp.float32), 0,
+            jnp.zeros((batch,), jnp.int32), scale=scale))(args[0], args[3], args[4])
+    flops = 4 * batch * heads * head_dim * tokens * (tokens + 1) / 2
+    row = dict(shape=shape, batch=batch, tokens=tokens)
+    for name, fn in implementations(scale).items():
+        try:
+            out = jax.jit(fn)(*args).astype(jnp.float32)
+            us = device_us(fn, args)
+            tflops = flops / us / 1e6
+        except Exception as error:  # record and go on: the other implementations still tell something
+            print(f"{shape} B={batch} T={tokens} {name}: failed: {str(error)[:300]}", flush=True)
+            row[f"{name}_us"] = row[f"{name}_tflops"] = row[f"{name}_err"] = None
+            continue
+        row[f"{name}_us"] = us
+        row[f"{name}_tflops"] = tflops
+        row[f"{name}_err"] = relative_error(out, expected)
+    print(row, flush=True)
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    args = parser.parse_args()
+    print(device_name(), jax.__version__, flush=True)
+    rows = [case(shape, batch, tokens) for shape in args.shapes.split(",")
+            for batch in map(int, args.batches.split(",")) for tokens in map(int, args.tokens.split(","))]
+    print_table([{k: v for k, v in r.items() if not k.endswith("_err")} for r in rows])
+    print("saved", write_json("bench_prefill", rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
