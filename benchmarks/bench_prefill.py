@@ -8,6 +8,9 @@ over the freshly projected K/V [B, T, Hkv, D] (cuDNN's flash attention through
 attention shapes, bf16, batch 1 and 4, T = 128 .. 4096, this prints and writes (bench_prefill.json):
 device time per call from a profiler trace, achieved TFLOP/s (causal: half the T x T scores), and
 the error of each against the fp32 reference.
+`--model` instead times whole random-weight prefills (bf16, batch 1) of the SmolLM2-135M and
+Llama-3.1-8B shapes through the model, with fresh=False (the cache path) and fresh=True (what the engine
+runs: cuDNN from PREFILL_CUDNN_MIN_TOKENS on), and checks the two agree (bench_prefill_model.json).
 """
 from __future__ import annotations
 
@@ -16,15 +19,19 @@ import argparse
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from benchmarks.common import device_name, print_table, write_json
+from benchmarks.common import LLAMA31_8B, SMOLLM2_135M, device_name, median_time, print_table, write_json
 from benchmarks.device_trace import busy_ns, traced_kernels
 from specjax.kernels.attention import attention
 from specjax.kernels.attention_reference import attention_reference
+from specjax.models.kv_cache import init_cache
+from specjax.models.registry import random_model
 
 SHAPES = {"8b": (32, 8, 128), "smollm2": (9, 3, 64)}
 TOKENS = (128, 512, 1024, 2048, 4096)
 BATCHES = (1, 4)
+MODEL_CASES = ((SMOLLM2_135M, (1024, 2048, 4096, 8192)), (LLAMA31_8B, (2048, 4096)))
 CALLS = 5   # traced back to back, one trace per case
 
 
@@ -89,13 +96,40 @@ def case(shape: str, batch: int, tokens: int) -> dict:
     return row
 
 
+def model_prefill(cfg, token_counts) -> list[dict]:
+    """Whole-model prefill time, cache path vs fresh path, and how far their hidden states differ."""
+    graph, state = nnx.split(random_model(cfg, dtype=jnp.bfloat16))
+    rows = []
+    for tokens in token_counts:
+        def prefill(state, prompt, fresh):
+            cache = init_cache(cfg, 1, tokens + 64, jnp.bfloat16)
+            return nnx.merge(graph, state)(prompt, jnp.zeros((1,), jnp.int32), cache, fresh=fresh)[0]
+
+        runs = {fresh: jax.jit(lambda s, p, f=fresh: prefill(s, p, f)) for fresh in (False, True)}
+        prompt = jax.random.randint(jax.random.key(tokens), (1, tokens), 0, cfg.vocab_size)
+        cached, fresh = (np.asarray(runs[f](state, prompt), np.float32) for f in (False, True))
+        rows.append({"model": f"{cfg.num_layers}L-{cfg.hidden_size}", "tokens": tokens,
+                     "cudnn_in_program": "cudnn" in runs[True].lower(state, prompt).compile().as_text().lower(),
+                     "cache_path_ms": median_time(lambda r=runs[False]: r(state, prompt)) * 1e3,
+                     "fresh_path_ms": median_time(lambda r=runs[True]: r(state, prompt)) * 1e3,
+                     "rel_diff": float(np.linalg.norm(cached - fresh) / np.linalg.norm(cached))})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--model", action="store_true", help="time whole-model prefills instead")
     args = parser.parse_args()
     print(device_name(), jax.__version__, flush=True)
+    if args.model:
+        rows = [r for cfg, token_counts in MODEL_CASES for r in model_prefill(cfg, token_counts)]
+        print_table(rows)
+        print("saved", write_json("bench_prefill_model", rows))
+        return 0
     rows = [case(shape, batch, tokens) for shape in args.shapes.split(",")
             for batch in map(int, args.batches.split(",")) for tokens in map(int, args.tokens.split(","))]
     print_table([{k: v for k, v in r.items() if not k.endswith("_err")} for r in rows])

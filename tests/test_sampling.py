@@ -76,6 +76,36 @@ def test_processed_probs_without_sorting_filters():
                                    atol=1e-6)
 
 
+def test_ordered_keys_keep_the_order_of_floats_and_invert():
+    values = np.array([-np.inf, -3e38, -2.0, -1.0, -1e-30, -0.0, 0.0, 1e-30, 1.0, 2.5, 3e38, np.inf],
+                      np.float32)
+    keys = np.asarray(sampling._ordered_keys(jnp.asarray(values)))
+    assert (np.diff(keys[:6]) > 0).all() and keys[5] == keys[6] and (np.diff(keys[6:]) > 0).all()
+    back = np.asarray(sampling._from_ordered_keys(jnp.asarray(keys)))
+    np.testing.assert_array_equal(back, np.where(values == 0, np.float32(0), values))
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 7, 19, 20, 0])
+def test_top_k_keeps_every_token_tied_with_the_kth(top_k):
+    """Integer logits (many ties), negative ones, a signed zero and masked (-inf) stop tokens."""
+    logits = np.round(np.asarray(_logits(7, (3, 20))))
+    logits[0, 3], logits[1, :4], logits[2, 5] = -0.0, -np.inf, -np.inf
+    rows = len(logits)
+    probs = np.asarray(processed_probs(jnp.asarray(logits, jnp.float32), jnp.ones(rows),
+                                       jnp.full(rows, top_k, jnp.int32), jnp.ones(rows), jnp.zeros(rows)))
+    for row in range(rows):
+        kth = np.sort(logits[row])[::-1][top_k - 1] if top_k else -np.inf
+        np.testing.assert_array_equal(probs[row] > 0, (logits[row] >= kth) & np.isfinite(logits[row]))
+
+
+def test_top_p_on_negative_logits_matches_the_reference():
+    logits = _logits(8, (4, 64)) - 30.0
+    params = [(1.0, 0, 0.5, 0.0), (0.9, 0, 0.95, 0.0), (1.0, 10, 0.7, 0.0), (1.1, 0, 0.05, 0.0)]
+    probs = np.asarray(processed_probs(logits, *_param_arrays(params)))
+    for row, row_params in enumerate(params):
+        np.testing.assert_allclose(probs[row], reference_probs(np.asarray(logits[row]), *row_params), atol=1e-6)
+
+
 def test_processed_probs_broadcast_over_time_axis():
     logits = _logits(2, (len(PARAMS), 3, 20))
     probs = np.asarray(processed_probs(logits, *_param_arrays(PARAMS)))

@@ -1,10 +1,12 @@
 """Attention of a prompt prefilled from position 0: cuDNN's flash attention where it is faster, else `attention`.
 
 A fresh prompt attends only to itself, so its attention is plain causal self-attention over the K/V it
-has just projected ([B, T, Hkv, D]) and needs nothing from the cache. On the H200 (bf16, RESULTS.md,
-benchmarks/bench_prefill.py) cuDNN's fused kernel beats our Pallas kernel from 512 prompt tokens on
-(Llama-3.1-8B shape: 34 vs 58 us at 1024, 265 vs 445 us at 4096; SmolLM2: 15 vs 17 us at 1024) and loses
-below (8 vs 6 us at 128), so `impl="auto"` takes it for prompts of PREFILL_CUDNN_MIN_TOKENS or more.
+has just projected ([B, T, Hkv, D]) and needs nothing from the cache. On the H200 (bf16, RESULTS.md) cuDNN's
+fused kernel alone beats our Pallas kernel from 512 tokens on (benchmarks/bench_prefill.py; 8B shape: 34 vs
+58 us at 1024, 265 vs 445 us at 4096), but a whole-model prefill gains less (`--model`; not profiled, the
+layout copies around cuDNN's call are the likely cost): no gain beyond noise at 1024 tokens (SmolLM2) or
+2048 (8B), faster from 2048 on for SmolLM2 (-7% at 2048, -19% at 4096, -24% at 8192) and -2% for the 8B
+at 4096. So `impl="auto"` takes it for prompts of PREFILL_CUDNN_MIN_TOKENS or more.
 Rows past a prompt's length are padding: causal attention keeps them from reaching any real token.
 """
 from __future__ import annotations
@@ -18,8 +20,8 @@ from specjax.kernels.attention import attention
 from specjax.kernels.platform import Impl, choose_impl
 from specjax.parallel import current_layout
 
-# Prompt length (tokens per row) from which cuDNN's flash attention is the faster prefill (H200, bf16).
-PREFILL_CUDNN_MIN_TOKENS = 512
+# Prompt length (tokens per row) from which a prefill through cuDNN's flash attention is faster (H200, bf16).
+PREFILL_CUDNN_MIN_TOKENS = 2048
 # cuDNN's flash attention handles half-precision inputs and head dims that are multiples of 8 up to this.
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 _CUDNN_MAX_HEAD_DIM = 128
