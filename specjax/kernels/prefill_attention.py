@@ -5,7 +5,7 @@ has just projected ([B, T, Hkv, D]) and needs nothing from the cache. On the H20
 fused kernel alone beats our Pallas kernel from 512 tokens on (benchmarks/bench_prefill.py; 8B shape: 34 vs
 58 us at 1024, 265 vs 445 us at 4096), but a whole-model prefill gains less (`--model`; not profiled, the
 layout copies around cuDNN's call are the likely cost): no gain beyond noise at 1024 tokens (SmolLM2) or
-2048 (8B), faster from 2048 on for SmolLM2 (-7% at 2048, -19% at 4096, -24% at 8192) and -2% for the 8B
+2048 (8B), faster from 2048 on for SmolLM2 (-9% at 2048, -18% at 4096, -24% at 8192) and -2% for the 8B
 at 4096. So `impl="auto"` takes it for prompts of PREFILL_CUDNN_MIN_TOKENS or more.
 Rows past a prompt's length are padding: causal attention keeps them from reaching any real token.
 """
