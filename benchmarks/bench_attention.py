@@ -30,9 +30,9 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from benchmarks.common import relative_error
 from benchmarks.device_trace import median_duration_us, traced_kernels
 from specjax.kernels.attention import attention, choose_impl
 from specjax.kernels.attention_reference import attention_reference
@@ -113,14 +113,6 @@ def random_cache(key, layers, batch, slots, starts, tokens, dtype, poison=True):
         k = jnp.where(mask, k, jnp.nan)
         v = jnp.where(mask, v, jnp.nan)
     return k, v
-
-
-def relative_error(out, expected) -> float:
-    out = np.asarray(out.astype(jnp.float32), np.float64)
-    expected = np.asarray(expected.astype(jnp.float32), np.float64)
-    if not np.isfinite(out).all():
-        return float("nan")
-    return float(np.linalg.norm(out - expected) / np.linalg.norm(expected))
 
 
 def check_correctness() -> list[dict]:

@@ -18,11 +18,11 @@ import argparse
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from benchmarks.common import LLAMA31_8B, SMOLLM2_135M, device_name, median_time, print_table, write_json
-from benchmarks.device_trace import busy_ns, traced_kernels
+from benchmarks.common import (LLAMA31_8B, SMOLLM2_135M, device_name, median_time, print_table,
+                               relative_error, write_json)
+from benchmarks.device_trace import device_us_per_call
 from specjax.kernels.attention import attention
 from specjax.kernels.attention_reference import attention_reference
 from specjax.models.kv_cache import init_cache
@@ -32,7 +32,6 @@ SHAPES = {"8b": (32, 8, 128), "smollm2": (9, 3, 64)}
 TOKENS = (128, 512, 1024, 2048, 4096)
 BATCHES = (1, 4)
 MODEL_CASES = ((SMOLLM2_135M, (1024, 2048, 4096, 8192)), (LLAMA31_8B, (2048, 4096)))
-CALLS = 5   # traced back to back, one trace per case
 
 
 def implementations(scale: float) -> dict:
@@ -59,17 +58,6 @@ def inputs(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int):
     return q, k, v, cache(k), cache(v)
 
 
-def device_us(fn, args) -> float:
-    """Device time of one call: the kernels' busy time over CALLS traced calls, divided by CALLS."""
-    call = jax.jit(fn)
-    return busy_ns(traced_kernels(lambda: [call(*args) for _ in range(CALLS)])) / CALLS / 1e3
-
-
-def relative_error(out, expected) -> float:
-    out, expected = np.asarray(out, np.float64), np.asarray(expected, np.float64)
-    return float(np.linalg.norm(out - expected) / np.linalg.norm(expected)) if np.isfinite(out).all() else float("nan")
-
-
 def case(shape: str, batch: int, tokens: int) -> dict:
     heads, kv_heads, head_dim = SHAPES[shape]
     scale = head_dim ** -0.5
@@ -83,7 +71,7 @@ def case(shape: str, batch: int, tokens: int) -> dict:
     for name, fn in implementations(scale).items():
         try:
             out = jax.jit(fn)(*args).astype(jnp.float32)
-            us = device_us(fn, args)
+            us = device_us_per_call(fn, *args)
             tflops = flops / us / 1e6
         except Exception as error:  # record and go on: the other implementations still tell something
             print(f"{shape} B={batch} T={tokens} {name}: failed: {str(error)[:300]}", flush=True)
@@ -107,12 +95,12 @@ def model_prefill(cfg, token_counts) -> list[dict]:
 
         runs = {fresh: jax.jit(lambda s, p, f=fresh: prefill(s, p, f)) for fresh in (False, True)}
         prompt = jax.random.randint(jax.random.key(tokens), (1, tokens), 0, cfg.vocab_size)
-        cached, fresh = (np.asarray(runs[f](state, prompt), np.float32) for f in (False, True))
+        cached, fresh = (runs[f](state, prompt) for f in (False, True))
         rows.append({"model": f"{cfg.num_layers}L-{cfg.hidden_size}", "tokens": tokens,
                      "cudnn_in_program": "cudnn" in runs[True].lower(state, prompt).compile().as_text().lower(),
                      "cache_path_ms": median_time(lambda r=runs[False]: r(state, prompt)) * 1e3,
                      "fresh_path_ms": median_time(lambda r=runs[True]: r(state, prompt)) * 1e3,
-                     "rel_diff": float(np.linalg.norm(cached - fresh) / np.linalg.norm(cached))})
+                     "rel_diff": relative_error(fresh, cached)})
         print(rows[-1], flush=True)
     return rows
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import SMOLLM2_135M, print_table, write_json
+from benchmarks.common import SMOLLM2_135M, print_table, relative_error, write_json
 from benchmarks.device_trace import traced_kernels
 from specjax.kernels.projection_reference import projection_reference
 from specjax.kernels.projection_triton import ProjectionConfig, default_config, projection_triton
@@ -60,13 +60,12 @@ def run_fn(case: dict, kernel: bool, config: ProjectionConfig | None = None):
     return jax.jit(fn)
 
 
-def relative_error(case: dict, rows: int, dtype) -> float:
+def kernel_error(case: dict, rows: int, dtype) -> float:
     x, (w,), norm, residual = inputs(case, rows, dtype, copies=1, seed=rows)
     with jax.default_matmul_precision("highest"):
         out = run_fn(case, True)(x, w, norm, residual)
         ref = run_fn(case, False)(*(None if a is None else a.astype(jnp.float32) for a in (x, w, norm, residual)))
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref)) if np.isfinite(out).all() else float("nan")
+    return relative_error(out, ref)
 
 
 def device_us(case: dict, rows: int, kernel: bool, config: ProjectionConfig | None = None) -> tuple[float, float]:
@@ -86,7 +85,7 @@ def main() -> None:
     rows_out = []
     for case in cases():
         for dtype in (jnp.float32, jnp.bfloat16):
-            error = relative_error(case, 8, dtype)
+            error = kernel_error(case, 8, dtype)
             print(f"check {case['name']} {jnp.dtype(dtype).name}: rel error {error:.2e}", flush=True)
         for rows in ROWS:
             xla_us, xla_kernels = device_us(case, rows, kernel=False)

@@ -17,12 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import device_name, print_table, write_json
-from benchmarks.device_trace import busy_ns, traced_kernels
+from benchmarks.device_trace import device_us_per_call
 from specjax.engine import sampling
 
 VOCABS = (49152, 128256)
 ROWS = (1, 5, 8, 40, 320)
-CALLS = 5   # traced back to back, one trace per case
 # name -> (temperature, top_k, top_p, min_p) of every row
 SETTINGS = {
     "greedy": (0.0, 0, 1.0, 0.0),
@@ -31,12 +30,6 @@ SETTINGS = {
     "top_p0.9": (0.8, 0, 0.9, 0.0),
     "min_p0.1": (0.8, 0, 1.0, 0.1),
 }
-
-
-def device_us(fn, *args) -> float:
-    """Device time of one call: the kernels' busy time over CALLS traced calls, divided by CALLS."""
-    call = jax.jit(fn)
-    return busy_ns(traced_kernels(lambda: [call(*args) for _ in range(CALLS)])) / CALLS / 1e3
 
 
 def logits_like_a_model(rows: int, vocab: int) -> jax.Array:
@@ -59,9 +52,9 @@ def case(vocab: int, rows: int) -> list[dict]:
     for name, setting in SETTINGS.items():
         params = row_params(rows, setting)
         greedy_only = name == "greedy"
-        sample_us = device_us(lambda x, *p, g=greedy_only: sampling.sample(x, *p, seed, position, greedy_only=g),
+        sample_us = device_us_per_call(lambda x, *p, g=greedy_only: sampling.sample(x, *p, seed, position, greedy_only=g),
                               logits, *params)
-        probs_us = None if greedy_only else device_us(sampling.processed_probs, logits, *params)
+        probs_us = None if greedy_only else device_us_per_call(sampling.processed_probs, logits, *params)
         out.append(dict(vocab=vocab, rows=rows, setting=name, sample_us=sample_us, probs_us=probs_us))
         print(out[-1], flush=True)
     return out

@@ -10,6 +10,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import LLM, SamplingParams
 from specjax.models.model_config import ModelConfig
@@ -45,6 +46,15 @@ def median_time(fn: Callable[[], object], repeats: int = 10, warmup: int = 2) ->
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def relative_error(out, expected) -> float:
+    """||out - expected|| / ||expected|| in float64; NaN when out holds a non-finite value."""
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    expected = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+    if not np.isfinite(out).all():
+        return float("nan")
+    return float(np.linalg.norm(out - expected) / np.linalg.norm(expected))
 
 
 def copy_bandwidth(num_bytes: int = 2 << 30) -> float:

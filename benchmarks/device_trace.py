@@ -52,6 +52,13 @@ def traced_kernels(run: Callable[[], object], keep_trace: Path | None = None) ->
     return sorted(kernels, key=lambda k: k.start_ns)
 
 
+def device_us_per_call(fn: Callable, *args, calls: int = 5) -> float:
+    """Device time of one call of jit(fn)(*args): the kernels' busy time over `calls` traced calls back to
+    back, divided by `calls`."""
+    call = jax.jit(fn)
+    return busy_ns(traced_kernels(lambda: [call(*args) for _ in range(calls)])) / calls / 1e3
+
+
 def busy_ns(kernels: list[Kernel]) -> float:
     """Time at least one kernel ran (the union of their intervals)."""
     total, end = 0.0, float("-inf")

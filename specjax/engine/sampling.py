@@ -69,15 +69,20 @@ def _min_p_mask(logits: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(min_p > 0, gap >= jnp.log(jnp.maximum(min_p, jnp.finfo(jnp.float32).tiny)), True)
 
 
+def _flip_negatives(bits: jax.Array) -> jax.Array:
+    """Sign-magnitude int32 <-> two's complement order: flip the magnitude bits of negative words. Its own
+    inverse (the sign bit is kept)."""
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
 def _ordered_keys(x: jax.Array) -> jax.Array:
     """int32 keys of float32 values in the same order (-0.0 and 0.0 share one key)."""
-    bits = lax.bitcast_convert_type(jnp.where(x == 0, jnp.zeros_like(x), x), jnp.int32)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return _flip_negatives(lax.bitcast_convert_type(jnp.where(x == 0, jnp.zeros_like(x), x), jnp.int32))
 
 
 def _from_ordered_keys(keys: jax.Array) -> jax.Array:
     """The float32 values of _ordered_keys (its inverse)."""
-    return lax.bitcast_convert_type(keys ^ ((keys >> 31) & 0x7FFFFFFF), jnp.float32)
+    return lax.bitcast_convert_type(_flip_negatives(keys), jnp.float32)
 
 
 def _top_k_top_p_mask(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
