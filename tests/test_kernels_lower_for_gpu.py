@@ -12,6 +12,8 @@ import pytest
 
 from specjax.kernels.attention_triton import attention_triton
 from specjax.kernels.projection_triton import projection_triton
+from specjax.kernels.top_k_top_p import LARGE_BATCH_CONFIG
+from specjax.kernels.top_k_top_p_triton import SearchConfig, keep_mask_triton
 
 registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
 
@@ -65,4 +67,13 @@ def test_projection_kernel_lowers(triton_modules, norm, activation, residual):
     res = jnp.zeros((rows, n // 2 if activation else n), jnp.bfloat16) if residual else None
     lower_for_cuda(lambda x, w: projection_triton(x, w, norm=scale, eps=1e-5, activation=activation,
                                                   residual=res), x, w)
+    assert_verified(triton_modules)
+
+
+@pytest.mark.parametrize("vocab, config", [(49152, SearchConfig()), (128256, SearchConfig()),
+                                           (128256, LARGE_BATCH_CONFIG)])
+def test_top_k_top_p_search_lowers(triton_modules, vocab, config):
+    logits = jnp.zeros((5, vocab), jnp.float32)
+    lower_for_cuda(lambda x, k, p: keep_mask_triton(x, k, p, config=config), logits, jnp.zeros((5, 1), jnp.int32),
+                   jnp.ones((5, 1), jnp.float32))
     assert_verified(triton_modules)

@@ -76,15 +76,6 @@ def test_processed_probs_without_sorting_filters():
                                    atol=1e-6)
 
 
-def test_ordered_keys_keep_the_order_of_floats_and_invert():
-    values = np.array([-np.inf, -3e38, -2.0, -1.0, -1e-30, -0.0, 0.0, 1e-30, 1.0, 2.5, 3e38, np.inf],
-                      np.float32)
-    keys = np.asarray(sampling._ordered_keys(jnp.asarray(values)))
-    assert (np.diff(keys[:6]) > 0).all() and keys[5] == keys[6] and (np.diff(keys[6:]) > 0).all()
-    back = np.asarray(sampling._from_ordered_keys(jnp.asarray(keys)))
-    np.testing.assert_array_equal(back, np.where(values == 0, np.float32(0), values))
-
-
 @pytest.mark.parametrize("top_k", [1, 2, 7, 19, 20, 0])
 def test_top_k_keeps_every_token_tied_with_the_kth(top_k):
     """Integer logits (many ties), negative ones, a signed zero and masked (-inf) stop tokens."""

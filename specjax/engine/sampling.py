@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specjax.kernels.top_k_top_p import keep_mask
+
 # Purposes keep the streams of one (seed, position) apart.
 SAMPLE = 0  # a token drawn from the target distribution p (plain decoding, bonus slot)
 ACCEPT = 1  # the uniform u that decides whether a draft token is accepted
@@ -69,44 +71,6 @@ def _min_p_mask(logits: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(min_p > 0, gap >= jnp.log(jnp.maximum(min_p, jnp.finfo(jnp.float32).tiny)), True)
 
 
-def _flip_negatives(bits: jax.Array) -> jax.Array:
-    """Sign-magnitude int32 <-> two's complement order: flip the magnitude bits of negative words. Its own
-    inverse (the sign bit is kept)."""
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-
-def _ordered_keys(x: jax.Array) -> jax.Array:
-    """int32 keys of float32 values in the same order (-0.0 and 0.0 share one key)."""
-    return _flip_negatives(lax.bitcast_convert_type(jnp.where(x == 0, jnp.zeros_like(x), x), jnp.int32))
-
-
-def _from_ordered_keys(keys: jax.Array) -> jax.Array:
-    """The float32 values of _ordered_keys (its inverse)."""
-    return lax.bitcast_convert_type(_flip_negatives(keys), jnp.float32)
-
-
-def _top_k_top_p_mask(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Tokens kept by top-k then top-p (vLLM's rules), a bool mask like logits [..., V]; top_k, top_p [..., 1].
-
-    Tokens tied with the k-th largest are kept, as in vLLM's top-k. Top-p keeps a token unless the mass of
-    the tokens strictly above it (within the top-k set) already reaches top_p, a rule that does not depend
-    on how ties are ordered. One descending sort serves both, of int32 keys rather than the floats: XLA sorts
-    those up to 1.9x faster on an H200 (benchmarks/RESULTS.md), and their order is the floats' order.
-    """
-    vocab = logits.shape[-1]
-    keys = _ordered_keys(logits)
-    ordered_keys = ~lax.sort(~keys, dimension=keys.ndim - 1, is_stable=False)   # descending
-    k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
-    k_threshold = jnp.take_along_axis(ordered_keys, k - 1, axis=-1)
-    ordered = jnp.where(ordered_keys >= k_threshold, _from_ordered_keys(ordered_keys), -jnp.inf)
-    probs = jax.nn.softmax(ordered, axis=-1)
-    mass_above = jnp.cumsum(probs, axis=-1) - probs
-    p = jnp.where(top_p < 1.0, top_p, jnp.inf)
-    keep_count = jnp.maximum(jnp.sum(mass_above < p, axis=-1, keepdims=True), 1)
-    p_threshold = jnp.take_along_axis(ordered_keys, keep_count - 1, axis=-1)
-    return keys >= jnp.maximum(k_threshold, p_threshold)
-
-
 def processed_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                     top_p: jax.Array, min_p: jax.Array) -> jax.Array:
     """The distribution a row samples from, in vLLM's order: temperature, min-p, top-k, top-p.
@@ -114,8 +78,8 @@ def processed_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     logits: [..., V] (leading [B] or [B, T]); parameters: [B] or [B, T].
     top_k <= 0 or >= V, top_p >= 1 and min_p <= 0 switch a filter off. Greedy rows
     (temperature < 1e-5) get the one-hot of the first maximal raw logit.
-    The sort that top-k / top-p need runs only when some row of the batch uses one (a batch-wide lax.cond;
-    under vmap both branches run). Cost when it runs: one O(V log V) sort per row and position.
+    Top-k / top-p (specjax.kernels.top_k_top_p: a radix search on GPUs, a sort elsewhere) run only when some
+    row of the batch uses one (a batch-wide lax.cond; under vmap both branches run).
     """
     logits = jnp.asarray(logits, jnp.float32)
     greedy = _per_row(is_greedy(temperature), logits, bool)
@@ -130,7 +94,7 @@ def processed_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     needs_filter = jnp.any(~greedy & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)))
     keep = lax.cond(
         needs_filter,
-        lambda: _top_k_top_p_mask(scaled, top_k, top_p),
+        lambda: keep_mask(scaled, top_k, top_p),
         lambda: jnp.ones(scaled.shape, bool),
     )
     scaled = jnp.where(keep, scaled, -jnp.inf)
