@@ -1,6 +1,7 @@
 """The jitted loop on tiny random models: speculation is lossless, limits hold, one while_loop, counters."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -10,6 +11,7 @@ import pytest
 from flax import nnx
 
 import specjax.kernels.projection as projection_module
+import specjax.kernels.top_k_top_p as top_k_top_p_module
 from specjax.engine.loop import LoopSpec, build_generate, loop_compiler_options
 from specjax.engine.proposers.base import NoProposer
 from specjax.engine.proposers.build import NgramProposer
@@ -140,6 +142,24 @@ def test_seeded_sampling_is_batch_invariant():
     other = _generated(_run(_draft_proposer(k, True), _rows(4, temperature=1.0, seed=[11, 99, 98, 97]), k))
     assert full[0] == other[0]
     assert full[1] != other[1]
+
+
+def test_sampled_speculation_through_the_radix_search_draws_what_the_sort_would(monkeypatch):
+    """Top-k / top-p by the sort-free search inside the loop (interpret mode, as on a GPU): it keeps the tokens
+    the sort keeps, so a seeded, probabilistically drafted run emits the very same tokens."""
+    k = 3
+    rows = dataclasses.replace(_rows(4, temperature=1.0, seed=[5, 6, 7, 8]),
+                               top_k=jnp.asarray([0, 7, 0, 20], jnp.int32),
+                               top_p=jnp.asarray([0.8, 1.0, 0.6, 0.9], jnp.float32))
+    sorted_run = _generated(_run(_draft_proposer(k, True), rows, k))
+    search = top_k_top_p_module.keep_mask_triton
+    used = []
+    monkeypatch.setattr(top_k_top_p_module, "_use_search", lambda *_: True)
+    monkeypatch.setattr(top_k_top_p_module, "keep_mask_triton",
+                        lambda *args, **kwargs: used.append(1) or search(*args, **(kwargs | dict(interpret=True))))
+    searched_run = _generated(_run(_draft_proposer(k, True), rows, k))
+    assert used
+    assert searched_run == sorted_run
 
 
 def test_counters_match_a_hand_trace():
