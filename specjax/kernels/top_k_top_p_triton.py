@@ -21,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
@@ -30,7 +31,10 @@ from specjax.kernels.top_k_top_p_reference import from_ordered_keys, ordered_key
 # Candidates are built as unsigned words (prefix | digit << shift); XOR with the sign bit maps the unsigned
 # order onto the int32 order of ordered_keys.
 _SIGN = -(1 << 31)
-_LOWEST_KEY, _HIGHEST_KEY = (int(ordered_keys(jnp.float32(v))) for v in (-jnp.inf, jnp.inf))
+# ordered_keys of -inf and +inf, in numpy: a JAX computation at import would start the XLA backend before a
+# harness can call jax.distributed.initialize().
+_HIGHEST_KEY = int(np.float32(np.inf).view(np.int32))
+_LOWEST_KEY = int(np.float32(-np.inf).view(np.int32)) ^ 0x7FFFFFFF
 
 
 @dataclasses.dataclass(frozen=True)
