@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+import specjax.kernels.platform as platform
 import specjax.kernels.projection as projection_module
 from specjax.kernels.projection import MAX_KERNEL_ROWS, SMALL_WEIGHT_BYTES, projection
 from specjax.kernels.projection_reference import projection_reference
@@ -138,7 +139,7 @@ def test_dispatcher_leaves_tensor_parallel_projections_to_xla(monkeypatch):
     """Under a tensor-parallel layout XLA's partitioner splits the reference's matmul; a Pallas call it
     cannot, so even impl="triton" runs the reference there."""
     two_devices = types.SimpleNamespace(mesh=types.SimpleNamespace(size=2))
-    monkeypatch.setattr(projection_module, "current_layout", lambda: two_devices)
+    monkeypatch.setattr(platform, "current_layout", lambda: two_devices)
     assert not uses_kernel(monkeypatch, fake_device("gpu", "9.0"), (1, 1, 576), (576, 960), impl="triton")
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.kernels import top_k_top_p as dispatcher
+from specjax.kernels import platform, top_k_top_p as dispatcher
 from specjax.kernels.top_k_top_p_reference import from_ordered_keys, keep_mask_reference, ordered_keys
 from specjax.kernels.top_k_top_p_triton import SearchConfig, keep_mask_triton
 
@@ -136,7 +136,7 @@ def test_dispatcher_searches_on_ampere_and_newer_for_large_batches(monkeypatch):
 
 def test_dispatcher_leaves_tensor_parallel_logits_to_the_sort(monkeypatch):
     two_devices = types.SimpleNamespace(mesh=types.SimpleNamespace(size=2))
-    monkeypatch.setattr(dispatcher, "current_layout", lambda: two_devices)
+    monkeypatch.setattr(platform, "current_layout", lambda: two_devices)
     assert chosen(monkeypatch, fake_device("gpu", "9.0"), (64, 128256), impl="triton") is None
 
 
@@ -165,7 +165,7 @@ def test_sampling_filters_through_the_dispatcher_inside_jit(monkeypatch):
     np.testing.assert_array_equal(kept, expected)
 
 
-@pytest.mark.skipif(dispatcher.choose_impl(jax.devices()[0]) != "triton", reason="needs an NVIDIA sm_80+ GPU")
+@pytest.mark.skipif(platform.choose_impl(jax.devices()[0]) != "triton", reason="needs an NVIDIA sm_80+ GPU")
 @pytest.mark.parametrize("config", [SearchConfig(), dispatcher.LARGE_BATCH_CONFIG], ids=["4bit", "2bit"])
 @pytest.mark.parametrize("vocab", [49152, 128256])
 def test_compiled_search_keeps_what_the_sort_keeps_on_the_gpu(vocab, config):

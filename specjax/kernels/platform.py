@@ -5,6 +5,8 @@ from typing import Literal
 
 import jax
 
+from specjax.parallel import current_layout
+
 # How a kernel call may run: chosen by the device ("auto"), pure JAX, or the Pallas kernel forced.
 Impl = Literal["auto", "reference", "triton"]
 IMPLS = ("auto", "reference", "triton")
@@ -22,3 +24,15 @@ def choose_impl(device: jax.Device) -> Literal["reference", "triton"]:
     if not major.isdigit() or int(major) < _MIN_COMPUTE_CAPABILITY:
         return "reference"
     return "triton"
+
+
+def kernel_mode(impl: Impl, interpret: bool) -> Literal["reference", "triton", "auto"]:
+    """How a dispatcher of a single-device Pallas kernel may run: "reference" when forced so, under tensor
+    parallelism (the partitioner cannot split a Pallas call) or on a device without the kernels; "triton" when
+    forced; "auto" where the kernels run (or in interpret mode), the dispatcher's own size rule deciding."""
+    layout = current_layout()
+    if impl == "reference" or (layout is not None and layout.mesh.size > 1):
+        return "reference"
+    if impl == "triton":
+        return "triton"
+    return "auto" if interpret or choose_impl(jax.devices()[0]) == "triton" else "reference"

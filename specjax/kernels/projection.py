@@ -13,10 +13,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from specjax.kernels.platform import IMPLS, Impl, choose_impl
+from specjax.kernels.platform import IMPLS, Impl, kernel_mode
 from specjax.kernels.projection_reference import output_features, projection_reference
 from specjax.kernels.projection_triton import ProjectionConfig, projection_triton
-from specjax.parallel import current_layout
 
 # At ~3.5 TB/s 4 MiB take ~1.2 us, under one kernel launch: below this, launches are the cost.
 SMALL_WEIGHT_BYTES = 4 << 20
@@ -39,14 +38,10 @@ def projection(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = None, eps
 
 
 def _use_kernel(impl: Impl, interpret: bool, x: jax.Array, w: jax.Array) -> bool:
-    layout = current_layout()
-    if impl == "reference" or (layout is not None and layout.mesh.size > 1):
-        return False
-    if impl == "triton":
-        return True
-    on_gpu = interpret or choose_impl(jax.devices()[0]) == "triton"
+    mode = kernel_mode(impl, interpret)
     rows = math.prod(x.shape[:-1])
-    return on_gpu and rows <= MAX_KERNEL_ROWS and w.size * w.dtype.itemsize <= SMALL_WEIGHT_BYTES
+    small = rows <= MAX_KERNEL_ROWS and w.size * w.dtype.itemsize <= SMALL_WEIGHT_BYTES
+    return mode == "triton" or (mode == "auto" and small)
 
 
 def _check_inputs(x, w, norm, activation, residual, impl) -> None:

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import jax
 
-from specjax.kernels.platform import IMPLS, Impl, choose_impl
+from specjax.kernels.platform import IMPLS, Impl, kernel_mode
 from specjax.kernels.top_k_top_p_reference import keep_mask_reference
 from specjax.kernels.top_k_top_p_triton import SearchConfig, keep_mask_triton
-from specjax.parallel import current_layout
 
 # Batch x vocabulary from which the search is used. Below it (batch 1 of a 128k vocabulary, batch 2 of 49k)
 # a decode step's few rows sort in about 60 us, faster than the search's eight dependent rounds (RESULTS.md).
@@ -44,10 +43,5 @@ def batch_elements(shape: tuple[int, ...]) -> int:
 
 
 def _use_search(impl: Impl, interpret: bool, elements: int) -> bool:
-    layout = current_layout()
-    if impl == "reference" or (layout is not None and layout.mesh.size > 1):
-        return False
-    if impl == "triton":
-        return True
-    on_gpu = interpret or choose_impl(jax.devices()[0]) == "triton"
-    return on_gpu and elements >= MIN_SEARCH_ELEMENTS
+    mode = kernel_mode(impl, interpret)
+    return mode == "triton" or (mode == "auto" and elements >= MIN_SEARCH_ELEMENTS)
