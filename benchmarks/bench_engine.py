@@ -2,7 +2,7 @@
 speculation (synthetic acceptance; a Llama-3.2-1B-shaped draft model, or an EAGLE-3-shaped head), for a
 Llama-3.1-8B-shaped model with random bf16 weights.
 
-    PYTHONPATH=. python benchmarks/bench_engine.py [--suites step,e2e,spec,eagle] [--impl auto|reference]
+    PYTHONPATH=. python benchmarks/bench_engine.py [--suites step,e2e,spec,sampled,eagle] [--impl auto|reference]
 
 Writes $OUT/bench_engine_<suite>.json and prints a table per suite.
 """
@@ -66,29 +66,31 @@ def step_suite(cfg, graph, state, bandwidth, context=1024):
     return rows
 
 
-def rows_params(B, max_tokens, seed=0):
-    return RowParams(temperature=jnp.zeros((B,), jnp.float32), top_k=jnp.zeros((B,), jnp.int32),
-                     top_p=jnp.ones((B,), jnp.float32), min_p=jnp.zeros((B,), jnp.float32),
+def rows_params(B, max_tokens, seed=0, temperature=0.0, top_p=1.0):
+    return RowParams(temperature=jnp.full((B,), temperature, jnp.float32), top_k=jnp.zeros((B,), jnp.int32),
+                     top_p=jnp.full((B,), top_p, jnp.float32), min_p=jnp.zeros((B,), jnp.float32),
                      seed=jnp.arange(B, dtype=jnp.uint32) + seed, max_tokens=jnp.full((B,), max_tokens, jnp.int32),
                      min_tokens=jnp.zeros((B,), jnp.int32), stop_ids=jnp.full((B, 1), -1, jnp.int32))
 
 
-def generate_fn(graph, proposer, mesh=None, compiler_options=None):
+def generate_fn(graph, proposer, mesh=None, compiler_options=None, greedy=True):
     """The jitted generate loop; under `mesh`, sharded as the LLM facade runs it. compiler_options: the
-    engine's (loop_compiler_options) unless given."""
-    generate = build_generate(graph, proposer, LoopSpec(k=proposer.k, n_top=0, max_model_len=8192, greedy=True))
+    engine's (loop_compiler_options) unless given. greedy=False: the sampling loop (distributions, draws)."""
+    generate = build_generate(graph, proposer, LoopSpec(k=proposer.k, n_top=0, max_model_len=8192, greedy=greedy))
     options = loop_compiler_options() if compiler_options is None else compiler_options
     return jax.jit(generate if mesh is None else sharded_generate(generate, mesh), static_argnums=5,
                    compiler_options=options)
 
 
-def run_generate(graph, state, proposer, draft_state, B, prompt_len, new_tokens, rates=None, gen=None):
+def run_generate(graph, state, proposer, draft_state, B, prompt_len, new_tokens, rates=None, gen=None,
+                 sampling=None):
     """(compile+first-call seconds, steady seconds, steps) for one wave of B prompts. Pass `gen` (from
-    generate_fn) to reuse one compilation across calls of the same shapes (rates are a traced argument)."""
+    generate_fn) to reuse one compilation across calls of the same shapes (rates are a traced argument).
+    sampling: rows_params keywords (temperature, top_p) for a sampling loop; greedy rows otherwise."""
     gen = gen or generate_fn(graph, proposer)
     prompts = jax.random.randint(jax.random.key(1), (B, prompt_len), 0, 500, jnp.int32)
     lengths = jnp.full((B,), prompt_len, jnp.int32)
-    rows = rows_params(B, new_tokens)
+    rows = rows_params(B, new_tokens, **(sampling or {}))
     cache_len = prompt_len + new_tokens + proposer.k + 1
     rates = None if rates is None else jnp.asarray(rates, jnp.float32)
     start = time.perf_counter()
@@ -133,6 +135,30 @@ def spec_suite(cfg, dcfg, graph, state, dgraph, dstate, batches=(1, 8), ks=(3, 5
             t_draft = step_time(dstep, dcfg, dstate, B, 1, context)
             rows += acceptance_sweep(graph, state, DraftModelProposer(dgraph, k, probabilistic=False), dstate, B,
                                      plain, t_verify, t_draft, new_tokens, prompt_len)
+    return rows
+
+
+# Top-p sampling rows (vLLM-style settings) for the sampled suite.
+SAMPLED = dict(temperature=0.8, top_p=0.9)
+
+
+def sampled_suite(graph, state, dgraph, dstate, batches=(8,), k=4, al=2.5, new_tokens=256, prompt_len=128):
+    """The speculative loop (draft model, synthetic acceptance) with top-p 0.9 rows: its verify steps filter
+    B x (k+1) rows. Once with top-k/top-p by the dispatcher (the radix search from batch 2 of a 128k
+    vocabulary), once by the sort (the dispatcher's threshold raised past any batch)."""
+    from specjax.kernels import top_k_top_p
+    rows, default = [], top_k_top_p.MIN_SEARCH_ELEMENTS
+    for B in batches:
+        for filt, threshold in (("search", default), ("sort", 1 << 62)):
+            top_k_top_p.MIN_SEARCH_ELEMENTS = threshold
+            proposer = DraftModelProposer(dgraph, k, probabilistic=False)
+            gen = generate_fn(graph, proposer, greedy=False)
+            first, t, steps = run_generate(graph, state, proposer, dstate, B, prompt_len, new_tokens,
+                                           conditional_rates(al, k), gen, sampling=SAMPLED)
+            rows.append(dict(batch=B, k=k, al=al, filter=filt, tok_s=B * new_tokens / t,
+                             ms_per_step=1e3 * t / max(steps, 1), steps=steps, compile_s=first - t))
+            print(rows[-1], flush=True)
+    top_k_top_p.MIN_SEARCH_ELEMENTS = default
     return rows
 
 
@@ -243,6 +269,9 @@ def main() -> None:
         dgraph, dstate = model_state(draft_cfg, args.impl, seed=1)
         results["spec"] = spec_suite(target_cfg, draft_cfg, graph, state, dgraph, dstate,
                                      tuple(b for b in batches if b <= 8), ks)
+    if "sampled" in suites:
+        dgraph, dstate = model_state(draft_cfg, args.impl, seed=1)
+        results["sampled"] = sampled_suite(graph, state, dgraph, dstate, tuple(b for b in batches if b <= 8))
     if "eagle" in suites:
         results["eagle"] = eagle_suite(target_cfg, graph, state, tuple(b for b in batches if b <= 8), ks,
                                        draft_vocab=256 if args.smoke else 32000)
