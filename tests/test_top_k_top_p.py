@@ -80,6 +80,14 @@ def test_search_keeps_ties_signed_zeros_and_masked_tokens_like_the_sort(config):
     np.testing.assert_array_equal(search(logits, top_k, top_p, config), sort(logits, top_k, top_p))
 
 
+def test_a_vanishing_top_p_keeps_the_top_token_and_its_ties():
+    logits = np.array([[1.0, 3.0, 3.0, -2.0, 0.5] * 20, [4.0] + [0.0] * 99])
+    top_k, top_p = np.array([[0], [0]]), np.array([[1e-45], [1e-30]])
+    kept = search(logits, top_k, top_p)
+    np.testing.assert_array_equal(kept, sort(logits, top_k, top_p))
+    assert kept[0].sum() == 40 and kept[1].sum() == 1
+
+
 def test_search_keeps_the_same_tokens_whatever_the_rows_around_it():
     """The chunking is the vocabulary's: a row keeps the same tokens alone and in a batch (decode and verify
     steps agree)."""
