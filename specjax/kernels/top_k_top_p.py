@@ -3,8 +3,10 @@ enough to gain from it, one sort per row (the pure-JAX reference) everywhere els
 
 The choice depends on the device, the vocabulary and the leading (batch) axis only, never on the time axis,
 so plain decoding ([B, V]), verification ([B, k+1, V]) and a drafter's own distribution ([B, V]) of one
-engine keep tokens by one rule and round alike. Outside tensor parallelism only: the partitioner cannot split
-a Pallas call.
+engine keep tokens by one rule and round alike. Across batch sizes the sort and the search sum a row's mass
+in different orders, so they can disagree where the top-p cut falls within float rounding of a token's mass
+(no token differed in RESULTS.md's 30 GPU cases; the tests compare them token for token). Outside tensor
+parallelism only: the partitioner cannot split a Pallas call.
 """
 from __future__ import annotations
 
