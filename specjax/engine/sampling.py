@@ -78,8 +78,8 @@ def processed_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     logits: [..., V] (leading [B] or [B, T]); parameters: [B] or [B, T].
     top_k <= 0 or >= V, top_p >= 1 and min_p <= 0 switch a filter off. Greedy rows
     (temperature < 1e-5) get the one-hot of the first maximal raw logit.
-    Top-k / top-p (specjax.kernels.top_k_top_p: a radix search on GPUs, a sort elsewhere) run only when some
-    row of the batch uses one (a batch-wide lax.cond; under vmap both branches run).
+    Top-k / top-p (specjax.kernels.top_k_top_p: a radix search on GPUs from batch 2-3, else a sort) run only
+    when some row of the batch uses one (a batch-wide lax.cond; under vmap both branches run).
     """
     logits = jnp.asarray(logits, jnp.float32)
     greedy = _per_row(is_greedy(temperature), logits, bool)
