@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import specjax.kernels.platform as platform
 import specjax.kernels.projection as projection_module
 import specjax.kernels.top_k_top_p as top_k_top_p_module
 from specjax.engine.loop import LoopSpec, build_generate, loop_compiler_options
@@ -91,7 +92,7 @@ def test_greedy_speculation_equals_plain_decoding_with_the_projection_kernel(pla
     """The model's projections through the fused Pallas kernel (interpret mode, as on a GPU): a verify pass
     rounds each token as a decode step does, so speculation still reproduces plain decoding exactly; and
     plain decoding matches the XLA path's tokens on this peaked model."""
-    monkeypatch.setattr(projection_module, "choose_impl", lambda device: "triton")
+    monkeypatch.setattr(platform, "choose_impl", lambda device: "triton")
     kernel = projection_module.projection_triton
     monkeypatch.setattr(projection_module, "projection_triton",
                         lambda *args, **kwargs: kernel(*args, **(kwargs | dict(interpret=True))))
