@@ -85,8 +85,9 @@ class EngineConfig:
     tokenizer: defaults to `model`. dtype: "auto", "float32", "bfloat16" or "float16".
     max_model_len: None means the model's own limit (the loader resolves it).
     speculative_config: the raw dict, parsed by `SpeculativeConfig.from_dict` once the
-    target's max_model_len is known. attention_impl: "auto" (the Pallas kernels, attention and the fused
-    projections, where they run), "reference" (pure JAX everywhere) or "triton" (the kernels forced).
+    target's max_model_len is known. attention_impl: "auto" (the Pallas kernels where they run: attention, the
+    fused projections, the top-k/top-p search), "reference" (pure JAX everywhere) or "triton" (the kernels
+    forced).
     """
 
     model: str

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import specjax.engine.sampling as sampling_module
 import specjax.kernels.platform as platform
 import specjax.kernels.projection as projection_module
 import specjax.kernels.top_k_top_p as top_k_top_p_module
@@ -161,6 +163,24 @@ def test_sampled_speculation_through_the_radix_search_draws_what_the_sort_would(
     searched_run = _generated(_run(_draft_proposer(k, True), rows, k))
     assert used
     assert searched_run == sorted_run
+
+
+@pytest.mark.parametrize("impl", ["reference", "auto"])
+def test_sampling_filters_follow_the_models_kernel_choice(monkeypatch, impl):
+    """attention_impl reaches top-k / top-p too: "reference" keeps the sort on a GPU as well, for the target's
+    verify and plain draws and the draft's own distribution."""
+    k = 2
+    graph, state = nnx.split(random_model(CFG, seed=0, attention_impl=impl))
+    draft_graph, draft_state = nnx.split(random_model(CFG, seed=1, attention_impl=impl))
+    seen = []
+    keep_mask = sampling_module.keep_mask
+    monkeypatch.setattr(sampling_module, "keep_mask",
+                        lambda *args, impl: seen.append(impl) or keep_mask(*args, impl=impl))
+    rows = dataclasses.replace(_rows(4, temperature=1.0), top_p=jnp.full((4,), 0.9, jnp.float32))
+    fn = build_generate(graph, DraftModelProposer(draft_graph, k, True), LoopSpec(k=k, n_top=0, max_model_len=MAX_LEN))
+    tokens, lengths = _prompts()
+    jax.eval_shape(functools.partial(fn, cache_len=MAX_LEN + k + 1), state, draft_state, tokens, lengths, rows)
+    assert len(seen) >= 3 and set(seen) == {impl}
 
 
 def test_counters_match_a_hand_trace():

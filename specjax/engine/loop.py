@@ -74,7 +74,7 @@ def _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows,
     raw_logits = gather_vocab(target.logits(last_hidden))
     logits = _mask_stop_ids(raw_logits, rows, generated=jnp.zeros((B,), jnp.int32))
     first = sampling.sample(logits[:, 0], rows.temperature, rows.top_k, rows.top_p, rows.min_p,
-                            rows.seed, prompt_lengths, greedy_only=spec.greedy)
+                            rows.seed, prompt_lengths, greedy_only=spec.greedy, filter_impl=target.attention_impl)
     tokens = jnp.zeros((B, cache_len), jnp.int32).at[:, :P].set(prompt_tokens)
     state = LoopState(
         tokens=tokens, lengths=prompt_lengths, prompt_lengths=prompt_lengths,
@@ -105,7 +105,8 @@ def _step_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
         hidden, cache, aux = target(verify_tokens, start, state.cache, capture_layers=proposer.capture_layers)
         raw_logits = gather_vocab(target.logits(hidden))  # [B, k+1, V]
         logits = _mask_stop_ids(raw_logits, rows, generated=state.lengths - state.prompt_lengths)
-        out, accepted = _verify(logits, drafts, draft_probs, rows, state.lengths, spec, synthetic_rates)
+        out, accepted = _verify(logits, drafts, draft_probs, rows, state.lengths, spec, synthetic_rates,
+                                target.attention_impl)
         active = ~state.done
         state = dataclasses.replace(state, cache=cache, proposer=proposer_state,
                                     counters=_count(state.counters, drafts, accepted, active),
@@ -122,15 +123,16 @@ def _observe(proposer: Proposer, draft_state, state: LoopState, target: TargetPa
     return dataclasses.replace(state, proposer=carry)
 
 
-def _verify(logits, drafts, draft_probs, rows: RowParams, position, spec: LoopSpec, synthetic_rates):
-    """Output tokens [B, k+1] and accepted counts; with k = 0 this is plain sampling."""
+def _verify(logits, drafts, draft_probs, rows: RowParams, position, spec: LoopSpec, synthetic_rates, impl):
+    """Output tokens [B, k+1] and accepted counts; with k = 0 this is plain sampling. impl: the target's
+    kernel choice, which the sampling filters follow."""
     if spec.k == 0:
         token = sampling.sample(logits[:, 0], rows.temperature, rows.top_k, rows.top_p, rows.min_p,
-                                rows.seed, position, greedy_only=spec.greedy)
+                                rows.seed, position, greedy_only=spec.greedy, filter_impl=impl)
         return token[:, None], jnp.zeros_like(position)
     return rejection_sample(logits, drafts, draft_probs, rows.temperature, rows.top_k, rows.top_p,
                             rows.min_p, rows.seed, position, synthetic_rates=synthetic_rates,
-                            greedy_only=spec.greedy)
+                            greedy_only=spec.greedy, filter_impl=impl)
 
 
 def _budget(state: LoopState, rows: RowParams, spec: LoopSpec) -> jax.Array:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specjax.kernels.platform import Impl
 from specjax.kernels.top_k_top_p import keep_mask
 
 # Purposes keep the streams of one (seed, position) apart.
@@ -72,14 +73,15 @@ def _min_p_mask(logits: jax.Array, min_p: jax.Array) -> jax.Array:
 
 
 def processed_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                    top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+                    top_p: jax.Array, min_p: jax.Array, filter_impl: Impl = "auto") -> jax.Array:
     """The distribution a row samples from, in vLLM's order: temperature, min-p, top-k, top-p.
 
     logits: [..., V] (leading [B] or [B, T]); parameters: [B] or [B, T].
     top_k <= 0 or >= V, top_p >= 1 and min_p <= 0 switch a filter off. Greedy rows
     (temperature < 1e-5) get the one-hot of the first maximal raw logit.
     Top-k / top-p (specjax.kernels.top_k_top_p: a radix search on GPUs from batch 2-3, else a sort) run only
-    when some row of the batch uses one (a batch-wide lax.cond; under vmap both branches run).
+    when some row of the batch uses one (a batch-wide lax.cond; under vmap both branches run). filter_impl
+    (static): their dispatcher's impl, the engine's attention_impl.
     """
     logits = jnp.asarray(logits, jnp.float32)
     greedy = _per_row(is_greedy(temperature), logits, bool)
@@ -94,7 +96,7 @@ def processed_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     needs_filter = jnp.any(~greedy & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)))
     keep = lax.cond(
         needs_filter,
-        lambda: keep_mask(scaled, top_k, top_p),
+        lambda: keep_mask(scaled, top_k, top_p, impl=filter_impl),
         lambda: jnp.ones(scaled.shape, bool),
     )
     scaled = jnp.where(keep, scaled, -jnp.inf)
@@ -117,16 +119,17 @@ def sample_from_probs(probs: jax.Array, keys: jax.Array) -> jax.Array:
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
            min_p: jax.Array, seed: jax.Array, position: jax.Array,
-           purpose: int = SAMPLE, greedy_only: bool = False) -> jax.Array:
+           purpose: int = SAMPLE, greedy_only: bool = False, filter_impl: Impl = "auto") -> jax.Array:
     """Next token per row: argmax for greedy rows, a keyed draw from processed_probs otherwise.
 
     logits: [B, V] (or [B, T, V] with position [B, T]); position: the absolute position
     of the token being chosen. Returns int32 [B] (or [B, T]). greedy_only (static): the caller knows
     every row is greedy, so only the argmax is computed (no distribution, no draws, no batch-wide cond).
+    filter_impl (static): as in processed_probs.
     """
     if greedy_only:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    probs = processed_probs(logits, temperature, top_k, top_p, min_p)
+    probs = processed_probs(logits, temperature, top_k, top_p, min_p, filter_impl)
     drawn = sample_from_probs(probs, row_key(seed, position, purpose))
     greedy = _per_row(is_greedy(temperature), drawn, bool)
     return jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)

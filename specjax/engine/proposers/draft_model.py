@@ -33,12 +33,12 @@ class DraftModelProposer(IgnoresTarget):
         B = tokens.shape[0]
         last_two = jnp.stack([tokens[jnp.arange(B), lengths - 2], tokens[jnp.arange(B), lengths - 1]], axis=1)
         hidden, cache, _ = draft(last_two, lengths - 2, cache)
-        token, probs = self._choose(draft.logits(hidden[:, -1]), rows, lengths)
+        token, probs = self._choose(draft.logits(hidden[:, -1]), rows, lengths, draft.attention_impl)
 
         def draft_step(carry, i):
             token, cache = carry
             hidden, cache, _ = draft(token[:, None], lengths + i, cache)
-            nxt, probs = self._choose(draft.logits(hidden[:, 0]), rows, lengths + i + 1)
+            nxt, probs = self._choose(draft.logits(hidden[:, 0]), rows, lengths + i + 1, draft.attention_impl)
             return (nxt, cache), (nxt, probs)
 
         (_, cache), (rest, rest_probs) = jax.lax.scan(draft_step, (token, cache),
@@ -48,11 +48,12 @@ class DraftModelProposer(IgnoresTarget):
             return drafts, None, cache
         return drafts, jnp.concatenate([probs[:, None], jnp.swapaxes(rest_probs, 0, 1)], axis=1), cache
 
-    def _choose(self, logits: jax.Array, rows: RowParams, position: jax.Array):
+    def _choose(self, logits: jax.Array, rows: RowParams, position: jax.Array, impl: str):
         """Greedy drafting takes the argmax (q one-hot, so no probs are kept); probabilistic drafting draws
-        from the draft's processed distribution q and keeps q for verification."""
+        from the draft's processed distribution q (its filters by the draft's kernel choice `impl`) and keeps
+        q for verification."""
         if not self.probabilistic:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-        q = sampling.processed_probs(logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p)
+        q = sampling.processed_probs(logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p, impl)
         token = sampling.sample_from_probs(q, sampling.row_key(rows.seed, position, sampling.DRAFT))
         return token, q

@@ -89,6 +89,6 @@ class EagleProposer:
             token = head.to_target_ids(jnp.argmax(head.logits(out), axis=-1).astype(jnp.int32))
             return token, jnp.zeros((out.shape[0], 0), jnp.float32)
         q = sampling.processed_probs(head.target_logits(out), rows.temperature, rows.top_k, rows.top_p,
-                                     rows.min_p)
+                                     rows.min_p, head.attention_impl)
         token = sampling.sample_from_probs(q, sampling.row_key(rows.seed, position, sampling.DRAFT))
         return token, q
