@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import specjax.kernels.platform as platform
 import specjax.kernels.prefill_attention as prefill_module
 from specjax.kernels.attention_reference import attention_reference
 from specjax.kernels.prefill_attention import (PREFILL_CUDNN_MIN_TOKENS, causal_self_attention,
@@ -39,7 +40,7 @@ def test_prefill_path(impl, device, q_shape, dtype, expected):
 
 
 def test_tensor_parallel_prefill_stays_on_the_cache_path(monkeypatch):
-    monkeypatch.setattr(prefill_module, "current_layout",
+    monkeypatch.setattr(platform, "current_layout",
                         lambda: types.SimpleNamespace(mesh=types.SimpleNamespace(size=2)))
     assert prefill_path("auto", H100, (1, LONG, 32, 128), jnp.bfloat16) == "cache"
 

@@ -26,13 +26,16 @@ def choose_impl(device: jax.Device) -> Literal["reference", "triton"]:
     return "triton"
 
 
-def kernel_mode(impl: Impl, interpret: bool) -> Literal["reference", "triton", "auto"]:
-    """How a dispatcher of a single-device Pallas kernel may run: "reference" when forced so, under tensor
-    parallelism (the partitioner cannot split a Pallas call) or on a device without the kernels; "triton" when
-    forced; "auto" where the kernels run (or in interpret mode), the dispatcher's own size rule deciding."""
+def kernel_mode(impl: Impl, interpret: bool,
+                device: jax.Device | None = None) -> Literal["reference", "triton", "auto"]:
+    """How a dispatcher of a single-device kernel may run: "reference" when forced so, under tensor
+    parallelism (the partitioner cannot split a Pallas or cuDNN call) or on a device without the kernels
+    (`device`, the first one by default); "triton" when forced; "auto" where the kernels run (or in interpret
+    mode), the dispatcher's own size rule deciding."""
     layout = current_layout()
     if impl == "reference" or (layout is not None and layout.mesh.size > 1):
         return "reference"
     if impl == "triton":
         return "triton"
-    return "auto" if interpret or choose_impl(jax.devices()[0]) == "triton" else "reference"
+    device = jax.devices()[0] if device is None else device
+    return "auto" if interpret or choose_impl(device) == "triton" else "reference"

@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.kernels.attention import attention
-from specjax.kernels.platform import Impl, choose_impl
-from specjax.parallel import current_layout
+from specjax.kernels.platform import Impl, kernel_mode
 
 # Prompt length (tokens per row) from which a prefill through cuDNN's flash attention is faster (H200, bf16).
 PREFILL_CUDNN_MIN_TOKENS = 2048
@@ -57,9 +56,7 @@ def prefill_path(impl: Impl, device: jax.Device, q_shape: tuple[int, ...], dtype
     GPU, half precision, a supported head dim, a long enough prompt), else "cache" (the `attention`
     dispatcher over the KV cache). An explicit impl keeps its meaning: "triton" or "reference" everywhere."""
     _, tokens, _, head_dim = q_shape
-    layout = current_layout()
-    usable = (impl == "auto" and choose_impl(device) == "triton"
-              and (layout is None or layout.mesh.size == 1)
+    usable = (kernel_mode(impl, interpret=False, device=device) == "auto"
               and jnp.dtype(dtype) in _CUDNN_DTYPES
               and head_dim % 8 == 0 and head_dim <= _CUDNN_MAX_HEAD_DIM)
     return "cudnn" if usable and tokens >= PREFILL_CUDNN_MIN_TOKENS else "cache"

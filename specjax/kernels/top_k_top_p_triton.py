@@ -73,16 +73,21 @@ def _as_float(keys: jax.Array) -> jax.Array:
     return from_ordered_keys(jnp.clip(keys, _LOWEST_KEY, _HIGHEST_KEY))
 
 
+def _next_digit(weight: jax.Array, target: jax.Array) -> jax.Array:
+    """The largest candidate index j >= 1 whose weight [..., candidates] reaches target [...,] (weights fall
+    with j), 0 if none does; in the kernels and after the last round alike."""
+    reached = (jnp.arange(weight.shape[-1]) > 0) & (weight >= target[..., None])
+    return jnp.sum(reached.astype(jnp.int32), axis=-1)
+
+
 def _round_kernel(shift_ref, logits_ref, lmax_ref, floor_ref, target_ref, prefix_ref, partial_ref,
                   out_prefix_ref, out_partial_ref, *, vocab: int, layout: _Layout, config: SearchConfig,
                   mass: bool):
     row, chunk = pl.program_id(0), pl.program_id(1)
-    digits = jnp.arange(1 << config.radix_bits, dtype=jnp.int32)
-    shift, target = shift_ref[0], target_ref[0]
+    shift = shift_ref[0]
     # End the previous round (the first round gets zero weights: its digit is 0). Shifting twice keeps each
     # shift below 32, where LLVM's is undefined.
-    weight = jnp.sum(partial_ref[0], axis=0)
-    digit = jnp.sum(((digits > 0) & (weight >= target)).astype(jnp.int32))
+    digit = _next_digit(jnp.sum(partial_ref[0], axis=0), target_ref[0])
     prefix = prefix_ref[0] | ((digit << shift) << config.radix_bits)
 
     @pl.when(chunk == 0)
@@ -144,10 +149,7 @@ def _threshold(logits, lmax, floor, target, *, mass: bool, config: SearchConfig,
 
     start = (jnp.zeros((rows,), jnp.int32), jnp.zeros((rows, layout.chunks, candidates), jnp.float32))
     prefix, partial = lax.fori_loop(0, 32 // bits, one_round, start)
-    digits = jnp.arange(candidates, dtype=jnp.int32)
-    weight = jnp.sum(partial, axis=1)
-    digit = jnp.sum((digits > 0) & (weight >= target[:, None]), axis=-1, dtype=jnp.int32)
-    return (prefix | digit) ^ _SIGN
+    return (prefix | _next_digit(jnp.sum(partial, axis=1), target)) ^ _SIGN
 
 
 def keep_mask_triton(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, *, interpret: bool = False,
