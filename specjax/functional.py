@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from specjax.engine.loop import LoopSpec, build_generate
 from specjax.engine.sampling import GREEDY_TEMPERATURE_EPS
+from specjax.engine.shapes import buffer_len
 from specjax.engine.state import RowParams
 from specjax.parallel import sharded_generate
 from specjax.sampling_params import SamplingParams, to_row_arrays
@@ -39,7 +40,7 @@ def make_generate_fn(llm, sampling_params: SamplingParams) -> Callable:
     def generate_fn(params, draft_params, prompt_tokens: jax.Array, prompt_lengths: jax.Array, rng: jax.Array):
         B, P = prompt_tokens.shape
         max_new = llm.max_model_len - P if sampling_params.max_tokens is None else sampling_params.max_tokens
-        cache_len = min(P + max_new, llm.max_model_len) + k + 1
+        cache_len = buffer_len(P, P, max_new, k, llm.max_model_len)
 
         def per_row(x):
             return jnp.broadcast_to(jnp.asarray(x), (B,) + jnp.shape(x)[1:])

@@ -81,6 +81,17 @@ def test_second_generate_in_the_same_bucket_does_not_compile(llm):
     assert fn._cache_size() == before
 
 
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 4}])
+def test_a_request_shorter_than_the_prompt_bucket_generates(default_model_dir, llm, spec):
+    """The README's first prompt with max_tokens=3 (prompt + max_tokens <= 8) once crashed inside XLA."""
+    short = SamplingParams(temperature=0.0, max_tokens=3)
+    engine = llm if spec is None else LLM(str(default_model_dir), max_model_len=512, max_num_seqs=8,
+                                          speculative_config=spec)
+    out = engine.generate("The capital of France is", short, use_tqdm=False)[0].outputs[0]
+    longer = llm.generate("The capital of France is", GREEDY, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == longer.token_ids[:3] and out.finish_reason == "length"
+
+
 def test_stop_token_ids_max_tokens_and_min_tokens(llm):
     base = llm.generate(PROMPTS[3], GREEDY, use_tqdm=False)[0].outputs[0]
     assert base.finish_reason == "length" and len(base.token_ids) == 32

@@ -13,11 +13,10 @@ from jax.sharding import Mesh
 from specjax.engine.loop import LoopSpec, build_generate, loop_compiler_options
 from specjax.engine.proposers.base import Proposer
 from specjax.engine.sampling import GREEDY_TEMPERATURE_EPS
+from specjax.engine.shapes import MIN_PROMPT_BUCKET, bucket, buffer_len
 from specjax.engine.state import LoopState, RowParams
 from specjax.parallel import sharded_generate
 from specjax.sampling_params import SamplingParams, to_row_arrays
-
-MIN_PROMPT_BUCKET = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,11 +36,6 @@ class RowResult:
     num_draft_tokens: int
     num_accepted: int
     accepted_per_pos: list[int]
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """Next power of two >= max(n, minimum): few distinct shapes, so few compilations."""
-    return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
 class WaveRunner:
@@ -88,7 +82,7 @@ class WaveRunner:
         longest = max(len(r.prompt_token_ids) for r in wave)
         P = min(bucket(longest, MIN_PROMPT_BUCKET), self.max_model_len)
         most_new = max(self._max_new(r) for r in wave)
-        cache_len = min(bucket(longest + most_new), self.max_model_len) + self.proposer.k + 1
+        cache_len = buffer_len(P, longest, most_new, self.proposer.k, self.max_model_len)
         prompts = np.zeros((B, P), np.int32)
         lengths = np.ones((B,), np.int32)  # padding rows: a one-token prompt that generates nothing
         for i, r in enumerate(wave):

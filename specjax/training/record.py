@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from specjax.engine.loop import LoopSpec, build_generate
 from specjax.engine.proposers.base import TargetPass
-from specjax.engine.runner import bucket
+from specjax.engine.shapes import MIN_PROMPT_BUCKET, bucket, buffer_len
 from specjax.engine.state import RowParams
 from specjax.models.llama import stack_layers
 from specjax.models.registry import build_model
@@ -118,13 +118,13 @@ def _scanned(llm: Any) -> tuple[nnx.GraphDef, Any]:
 
 def _pack(wave: Sequence[list[int]], batch: int, max_new_tokens: int, max_model_len: int):
     longest = max(len(p) for p in wave)
-    P = bucket(longest, 16)
+    P = bucket(longest, MIN_PROMPT_BUCKET)
     prompts = np.zeros((batch, P), np.int32)
     lengths = np.ones((batch,), np.int32)
     for row, p in enumerate(wave):
         prompts[row, :len(p)] = p
         lengths[row] = len(p)
-    cache_len = min(bucket(longest + max_new_tokens), max_model_len) + 1
+    cache_len = buffer_len(P, longest, max_new_tokens, 0, max_model_len)
     return jnp.asarray(prompts), jnp.asarray(lengths), cache_len
 
 
