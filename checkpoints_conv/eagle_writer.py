@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import numpy as np
+from flax import nnx
+from flax.traverse_util import flatten_dict
 from safetensors.numpy import save_file
 
-from checkpoints_conv.fused_columns import split_columns
-
-if TYPE_CHECKING:  # specjax imports this package at import time
-    from specjax.models.eagle import EagleHead
+from specjax.models.eagle import EagleHead, head_weight_map
+from specjax.models.weight_map import LeafSpec, split_columns
 
 HEAD_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -44,36 +44,20 @@ def save_eagle3_head(head: EagleHead, out_dir: str | Path, target_config: Mappin
 
 
 def _published_tensors(head: EagleHead) -> dict[str, np.ndarray]:
-    """Module leaves under their published names, matrices back to HF's [out, in]."""
-    layer = head.layers[0]
-
-    def matrix(var) -> np.ndarray:
-        return np.asarray(var[...], np.float32).T
-
-    def vector(var) -> np.ndarray:
-        return np.asarray(var[...], np.float32)
-
-    def unfused(var, sizes: tuple[int, ...], groups: int) -> list[np.ndarray]:
-        return [np.asarray(part, np.float32) for part in split_columns(var[...], sizes, groups)]
-
-    c = head.cfg.layers
-    q, kv, I = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
-    p, attn = "midlayer.", "midlayer.self_attn."
-    qkv = [attn + "q_proj.", attn + "k_proj.", attn + "v_proj."]
-    tensors = {
-        "fc.weight": matrix(head.fc), "norm.weight": vector(head.norm), "lm_head.weight": matrix(head.lm_head),
-        attn + "o_proj.weight": matrix(layer.wo), p + "mlp.down_proj.weight": matrix(layer.w_down),
-        p + "input_layernorm.weight": vector(layer.attn_norm), p + "hidden_norm.weight": vector(layer.hidden_norm),
-        p + "post_attention_layernorm.weight": vector(layer.mlp_norm),
-    }
-    tensors.update({n + "weight": w.T for n, w in zip(qkv, unfused(layer.w_qkv, (q, kv, kv), c.num_kv_heads))})
-    gate, up = unfused(layer.w_gate_up, (I, I), I)
-    tensors.update({p + "mlp.gate_proj.weight": gate.T, p + "mlp.up_proj.weight": up.T})
-    if c.attention_bias:
-        tensors.update({n + "bias": b for n, b in zip(qkv, unfused(layer.b_qkv, (q, kv, kv), c.num_kv_heads))})
-    if head.cfg.fc_bias:
-        tensors["fc.bias"] = vector(head.fc_bias)
+    """The head's own leaves under their published names (the weight map read backwards: fused leaves split,
+    matrices back to HF's [out, in], layer 0 as "midlayer.")."""
+    params = flatten_dict(nnx.to_pure_dict(nnx.state(head, nnx.Param)))
+    leaves = {"/".join(str(k) for k in path): leaf for path, leaf in params.items()}
+    tensors = {}
+    for path, spec in head_weight_map(head.cfg, embed=False).items():
+        for name, part in zip(spec.hf_names, _unfused(np.asarray(leaves[path], np.float32), spec)):
+            tensors[name.replace("layers.0.", "midlayer.", 1) if name.startswith("layers.0.") else name] = part
     return tensors
+
+
+def _unfused(array: np.ndarray, spec: LeafSpec) -> list[np.ndarray]:
+    parts = [array] if not spec.widths else [np.asarray(p) for p in split_columns(array, spec.widths, spec.groups)]
+    return [part.T if spec.transpose else part for part in parts]
 
 
 def _vocabulary_maps(head: EagleHead) -> dict[str, np.ndarray]:

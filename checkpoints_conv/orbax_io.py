@@ -12,16 +12,17 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Mapping
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from checkpoints_conv.safetensors_loader import hf_name_map, load_params, nest_paths, resolve_dtype, sharding_at
-
-if TYPE_CHECKING:  # specjax imports this package at import time; a runtime import back would be circular
-    from specjax.models.model_config import ModelConfig
+from checkpoints_conv.safetensors_loader import load_params, sharding_at
+from specjax.config.dtypes import resolve_dtype
+from specjax.models.registry import config_from_dir
+from specjax.models.weight_map import LeafSpec
+from specjax.parallel.plan import nest_paths
 
 MARKER_FILE = "specjax_checkpoint.json"
 PARAMS_DIR = "params"
@@ -80,17 +81,18 @@ def read_marker(ckpt_dir: str | Path) -> dict:
     return marker
 
 
-def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype: Any = "auto",
+def load_checkpoint(model_dir: str | Path, weight_map: Mapping[str, LeafSpec], dtype: np.dtype,
                     shardings: dict | None = None) -> dict:
-    """Params of a model directory in either format: a converted orbax checkpoint or HF safetensors."""
+    """Params of a model directory in either format, a converted orbax checkpoint or HF safetensors, as the
+    family's weight map lays them out, in `dtype`."""
     if not is_orbax_checkpoint(model_dir):
-        return load_params(model_dir, cfg, dtype, shardings)
-    check_leaves_match(read_marker(model_dir)["leaves"], cfg, model_dir)
-    return restore_params(model_dir, shardings, resolve_dtype(dtype, cfg))
+        return load_params(model_dir, weight_map, dtype, shardings)
+    check_leaves_match(read_marker(model_dir)["leaves"], weight_map, model_dir)
+    return restore_params(model_dir, shardings, dtype)
 
 
-def check_leaves_match(leaves: dict[str, dict], cfg: ModelConfig, ckpt_dir: str | Path) -> None:
-    expected = {path: list(spec.shape) for path, spec in hf_name_map(cfg).items()}
+def check_leaves_match(leaves: dict[str, dict], weight_map: Mapping[str, LeafSpec], ckpt_dir: str | Path) -> None:
+    expected = {path: list(spec.shape) for path, spec in weight_map.items()}
     saved = {path: meta["shape"] for path, meta in leaves.items()}
     if saved != expected:
         wrong = sorted(path for path in set(saved) | set(expected) if saved.get(path) != expected.get(path))
@@ -104,10 +106,8 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, dtype: str = "a
     hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; remove it or choose another output directory")
-    from specjax.models.model_config import ModelConfig
-
-    cfg = ModelConfig.from_dir(hf_dir)
-    params = load_params(hf_dir, cfg, dtype)
+    family, cfg = config_from_dir(hf_dir)
+    params = load_params(hf_dir, family.weight_map(cfg), resolve_dtype(dtype, cfg.torch_dtype))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:

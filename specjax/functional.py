@@ -12,48 +12,37 @@ Stop strings are matched on text and so are the host's job: only token-level sto
 """
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from specjax.engine.loop import LoopSpec, build_generate
-from specjax.engine.sampling import GREEDY_TEMPERATURE_EPS
+from specjax.engine.rows import row_params
+from specjax.engine.runner import synthetic_rates
 from specjax.engine.shapes import buffer_len
-from specjax.engine.state import RowParams
-from specjax.parallel import sharded_generate
-from specjax.sampling_params import SamplingParams, to_row_arrays
+from specjax.sampling_params import SamplingParams
 
 
-def make_generate_fn(llm, sampling_params: SamplingParams) -> Callable:
+def make_generate_fn(llm: Any, sampling_params: SamplingParams) -> Callable:
+    """The pure generate function of `llm` (an LLM) for rows that all use `sampling_params`."""
     if sampling_params.n != 1:
         raise ValueError("make_generate_fn takes n=1: vmap the function over rng for several samples")
-    k = llm.proposer.k
-    spec = LoopSpec(k=k, n_top=0, max_model_len=llm.max_model_len,
-                    greedy=sampling_params.temperature < GREEDY_TEMPERATURE_EPS)
-    generate = build_generate(llm.target_graph, llm.proposer, spec)
-    if llm.mesh is not None:
-        generate = sharded_generate(generate, llm.mesh)
-    arrays = to_row_arrays([sampling_params], llm.model_config.vocab_size)
-    stop_ids = llm._runner.row_stop_ids(sampling_params) or [-1]
+    config, k = llm.config, llm.proposer.k
+    spec = LoopSpec(k=k, n_top=0, max_model_len=config.max_model_len, greedy=sampling_params.is_greedy)
+    generate = build_generate(llm.target_graph, llm.proposer, spec, mesh=llm.mesh)
+    rates = synthetic_rates(config.speculative)
 
     def generate_fn(params, draft_params, prompt_tokens: jax.Array, prompt_lengths: jax.Array, rng: jax.Array):
         B, P = prompt_tokens.shape
-        max_new = llm.max_model_len - P if sampling_params.max_tokens is None else sampling_params.max_tokens
-        cache_len = buffer_len(P, P, max_new, k, llm.max_model_len)
-
-        def per_row(x):
-            return jnp.broadcast_to(jnp.asarray(x), (B,) + jnp.shape(x)[1:])
-
-        rows = RowParams(
-            temperature=per_row(arrays.temperature), top_k=per_row(arrays.top_k), top_p=per_row(arrays.top_p),
-            min_p=per_row(arrays.min_p),
-            seed=jax.random.randint(rng, (B,), 0, jnp.iinfo(jnp.int32).max).astype(jnp.uint32),
-            max_tokens=jnp.full((B,), max_new, jnp.int32),
-            min_tokens=jnp.full((B,), sampling_params.min_tokens, jnp.int32),
-            stop_ids=jnp.broadcast_to(jnp.asarray(stop_ids, jnp.int32), (B, len(stop_ids))))
-        state = generate(params, draft_params, prompt_tokens.astype(jnp.int32),
-                         prompt_lengths.astype(jnp.int32), rows, cache_len, llm._runner.synthetic_rates)
+        max_new = config.max_model_len - P if sampling_params.max_tokens is None else sampling_params.max_tokens
+        host_rows = row_params([sampling_params] * B, vocab_size=llm.model_config.vocab_size,
+                               max_tokens=[max_new] * B, eos_token_ids=llm.eos_token_ids)
+        seeds = jax.random.randint(rng, (B,), 0, jnp.iinfo(jnp.int32).max).astype(jnp.uint32)
+        rows = dataclasses.replace(jax.tree.map(jnp.asarray, host_rows), seed=seeds)
+        state = generate(params, draft_params, prompt_tokens.astype(jnp.int32), prompt_lengths.astype(jnp.int32),
+                         rows, buffer_len(P, P, max_new, k, config.max_model_len), rates)
         c = state.counters
         stats = {"num_drafts": c.num_drafts, "num_draft_tokens": c.num_draft_tokens,
                  "num_accepted_tokens": c.num_accepted, "num_accepted_tokens_per_pos": c.accepted_per_pos}

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
+from checkpoints_conv.orbax_io import is_orbax_checkpoint
 from specjax.default_model import DEFAULT_EAGLE3_HEAD, DEFAULT_MODEL, default_eagle3_head_dir, default_model_dir
 
 HF_MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
@@ -33,8 +34,6 @@ def resolve_model(model: str | Path | None, revision: str | None = None, *,
 
 
 def _local_model_dir(path: Path) -> Path:
-    from checkpoints_conv.orbax_io import is_orbax_checkpoint
-
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist; pass an existing directory in HF layout "
                                 "(config.json, *.safetensors, tokenizer files) or a Hugging Face Hub id")

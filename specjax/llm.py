@@ -1,29 +1,16 @@
 """`LLM`: vLLM's offline interface (generate, chat, get_metrics) over specjax's one-call-per-wave engine."""
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from tqdm.auto import tqdm
-from transformers import GenerationConfig
 
-from checkpoints_conv import load_checkpoint
-from checkpoints_conv.safetensors_loader import resolve_dtype
-from specjax import config as config_lib
-from specjax import parallel
-from specjax.engine.proposers.build import build_proposer
+from specjax.build import build_engine
+from specjax.config import EngineConfig
+from specjax.default_model import DEFAULT_MODEL
 from specjax.engine.runner import Request, RowResult, WaveRunner
 from specjax.engine.stop_strings import apply_stop_strings, token_finish_reason
-from specjax.default_model import DEFAULT_MODEL
-from specjax.hub import load_tokenizer, resolve_model
-from specjax.models.kv_cache import cache_bytes
-from specjax.models.model_config import ModelConfig
-from specjax.models.registry import build_model
 from specjax.outputs import CompletionOutput, Logprob, RequestOutput, spec_decode_metrics
 from specjax.sampling_params import SamplingParams, child_params
 
@@ -37,44 +24,38 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
                  tensor_parallel_size: int = 1, max_model_len: int | None = None, max_num_seqs: int = 16,
-                 seed: int = 0, gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
+                 seed: int | None = 0, gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
                  trust_remote_code: bool = False, revision: str | None = None,
                  speculative_config: dict | None = None, **kwargs: Any):
-        model = DEFAULT_MODEL if model is None else model
-        self.config = config_lib.EngineConfig.from_kwargs(
-            model, tokenizer=tokenizer, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+        config = EngineConfig.from_kwargs(
+            DEFAULT_MODEL if model is None else model, tokenizer=tokenizer, dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            seed=seed, gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             trust_remote_code=trust_remote_code, revision=revision, speculative_config=speculative_config,
             **kwargs)
-        path = resolve_model(model, revision=revision)
-        self.model_config = ModelConfig.from_dir(path)
-        self.tokenizer = load_tokenizer(tokenizer or path, trust_remote_code=trust_remote_code)
-        self._default_sampling_params = _generation_config_defaults(path)
-        self.max_model_len = _max_model_len(max_model_len, self.model_config)
-        self.speculative_config = config_lib.SpeculativeConfig.from_dict(
-            speculative_config, target_max_model_len=self.max_model_len,
-            target_tensor_parallel_size=tensor_parallel_size)
-        self.dtype = jnp.dtype(resolve_dtype(self.config.dtype, self.model_config))
-        self.mesh, shardings = parallel.plan(self.model_config, tensor_parallel_size)
-        params = load_checkpoint(path, self.model_config, self.dtype, shardings)
-        target = build_model(self.model_config, params, attention_impl=self.config.attention_impl,
-                             unroll_layers=self.config.unroll_layers)
-        self.target_graph, self.params = nnx.split(target)
-        self.proposer, self.draft_params = build_proposer(self.speculative_config, self.model_config, self.dtype,
-                                                          attention_impl=self.config.attention_impl,
-                                                          unroll_layers=self.config.unroll_layers, mesh=self.mesh,
-                                                          target_params=self.params)
-        self._check_kv_cache_fits()
-        self._runner = WaveRunner(
-            self.target_graph, self.params, self.proposer, self.draft_params,
-            max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, eos_token_ids=self._eos_token_ids(),
-            vocab_size=self.model_config.vocab_size, seed=seed,
-            synthetic_rates=self.speculative_config.synthetic_rates() if self.speculative_config else None,
-            mesh=self.mesh)
+        engine = build_engine(config)
+        self.config = engine.config   # resolved: concrete dtype, max_model_len, seed and speculative config
+        self.model_config = engine.target.cfg
+        self.tokenizer = engine.tokenizer
+        self.mesh = engine.target.mesh
+        self.target_graph, self.params = engine.target.graph, engine.target.params
+        self.proposer, self.draft_params = engine.proposer, engine.draft_params
+        self._default_sampling_params = engine.sampling_defaults
+        self._runner = WaveRunner(self.target_graph, self.params, self.proposer, self.draft_params, self.config,
+                                  eos_token_ids=self.eos_token_ids, vocab_size=self.model_config.vocab_size,
+                                  mesh=self.mesh)
         self._requests_seen = 0
         self._totals = np.zeros(3, np.int64)
         self._totals_per_pos = np.zeros(max(self.proposer.k, 0), np.int64)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every id that ends a request unless ignore_eos: the model's EOS ids and the tokenizer's."""
+        return sorted(set(self.model_config.eos_token_ids) | {self._primary_eos} - {None})
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -109,7 +90,7 @@ class LLM:
 
     def get_metrics(self) -> list:
         """vLLM's speculative-decoding counters over every request so far (empty without speculation)."""
-        if self.speculative_config is None:
+        if self.config.speculative is None:
             return []
         return spec_decode_metrics(*(int(x) for x in self._totals), self._totals_per_pos.tolist())
 
@@ -193,41 +174,8 @@ class LLM:
             return self.tokenizer.eos_token_id
         return self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
 
-    def _eos_token_ids(self) -> list[int]:
-        ids = set(self.model_config.eos_token_ids) | {self._primary_eos} - {None}
-        return sorted(ids)
-
     def _extra_eos_ids(self, params: SamplingParams) -> list[int]:
-        return [] if params.ignore_eos else [i for i in self._eos_token_ids() if i != self._primary_eos]
-
-    def _check_kv_cache_fits(self) -> None:
-        slots = self.max_model_len + self.proposer.k + 1
-        need = cache_bytes(self.model_config, self.config.max_num_seqs, slots, self.dtype)
-        need //= parallel.cache_shards(self.model_config, self.config.tensor_parallel_size)  # per device
-        need += self.proposer.cache_bytes(self.config.max_num_seqs, slots) if hasattr(self.proposer, "cache_bytes") else 0
-        config_lib.check_kv_cache_fits(need, _free_device_bytes(), self.config.gpu_memory_utilization,
-                                       max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs)
-
-
-def _max_model_len(requested: int | None, cfg: ModelConfig) -> int:
-    if requested is None:
-        return cfg.max_position_embeddings
-    if requested > cfg.max_position_embeddings:
-        raise ValueError(f"max_model_len={requested} is larger than the model's max_position_embeddings="
-                         f"{cfg.max_position_embeddings}: lower max_model_len")
-    return requested
-
-
-def _free_device_bytes() -> int:
-    """Device memory this process has not used yet. Like vLLM, this counts the device's total memory, not what
-    other processes happen to leave free; on CPU the device is host RAM, so that is RAM minus this process's
-    resident size."""
-    stats = jax.local_devices()[0].memory_stats() or {}  # this process's own device (jax.distributed)
-    if "bytes_limit" in stats:
-        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    page = os.sysconf("SC_PAGE_SIZE")
-    resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
-    return os.sysconf("SC_PHYS_PAGES") * page - resident_pages * page
+        return [] if params.ignore_eos else [i for i in self.eos_token_ids if i != self._primary_eos]
 
 
 def _as_prompt_list(prompts) -> list:
@@ -246,20 +194,6 @@ def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts: pass one, or one per prompt")
     return params
-
-
-# generation_config.json field -> SamplingParams field, the ones vLLM takes over as defaults.
-_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                        "max_new_tokens": "max_tokens"}
-
-
-def _generation_config_defaults(model_dir) -> dict:
-    """The sampling settings a model's generation_config.json sets explicitly (none when it has no file)."""
-    try:
-        explicit = GenerationConfig.from_pretrained(model_dir).to_diff_dict()
-    except OSError:
-        return {}
-    return {ours: explicit[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if theirs in explicit}
 
 
 def _prompt_text(prompt) -> str | None:

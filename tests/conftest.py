@@ -95,3 +95,14 @@ def default_gguf_reference(default_gguf):
         skeleton = AutoModelForCausalLM.from_config(config)
     tensors = load_gguf_checkpoint(str(default_gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
     return config, tensors
+
+
+def read_checkpoint(model_dir: Path, dtype: str = "auto"):
+    """(config, params) of a model directory (HF safetensors or converted orbax) through the loaders the build
+    layer uses."""
+    from checkpoints_conv.orbax_io import load_checkpoint
+    from specjax.config.dtypes import resolve_dtype
+    from specjax.models.registry import config_from_dir
+
+    family, cfg = config_from_dir(model_dir)
+    return cfg, load_checkpoint(model_dir, family.weight_map(cfg), resolve_dtype(dtype, cfg.torch_dtype))

@@ -13,10 +13,12 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from jax.experimental import pallas as pl
 
-import specjax.kernels.attention_reference as reference_module
-from specjax.kernels.attention import attention, choose_impl
+from specjax.kernels.attention import attention, choose_attention
 from specjax.kernels.attention_reference import attention_reference
 from specjax.kernels.attention_triton import KernelConfig, attention_triton, default_config
+from specjax.kernels.policy import KernelPolicy, has_kernels
+
+INTERPRET = KernelPolicy(impl="triton", interpret=True)
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
@@ -71,12 +73,11 @@ def test_reference_matches_float64_oracle(dtype):
     assert relative_error(out, oracle(q, k, v, 1, start, 0.3)) < TOLERANCE[dtype]
 
 
-def test_reference_query_chunks_match_single_pass(monkeypatch):
+def test_reference_query_chunks_match_single_pass():
     q, k, v, start = make_inputs(1, batch=2, tokens=11, q_heads=4, kv_heads=4, slots=32,
                                  head_dim=16, dtype=jnp.float32, starts=[0, 13])
     whole = attention_reference(q, k, v, 0, start, scale=0.25)
-    monkeypatch.setattr(reference_module, "QUERY_CHUNK", 4)
-    chunked = attention_reference(q, k, v, 0, start, scale=0.25)
+    chunked = attention_reference(q, k, v, 0, start, scale=0.25, query_chunk=4)
     assert relative_error(chunked, whole) < 1e-6
 
 
@@ -144,8 +145,7 @@ def test_kernel_under_jit_with_traced_layer_in_scan():
     @jax.jit
     def all_layers(q, k, v, start):
         def step(carry, layer):
-            return carry, attention(q, k, v, layer, start, scale=0.25, impl="triton",
-                                    interpret=True)
+            return carry, attention(q, k, v, layer, start, scale=0.25, kernels=INTERPRET)
         return jax.lax.scan(step, 0, jnp.arange(3, dtype=jnp.int32))[1]
 
     outs = all_layers(q, k, v, start)
@@ -166,15 +166,23 @@ def fake_device(platform, capability=None):
     (fake_device("gpu", "gfx90a"), "reference"),
     (fake_device("tpu"), "reference"),
 ])
-def test_choose_impl(device, expected):
-    assert choose_impl(device) == expected
+def test_auto_runs_the_kernel_on_nvidia_sm80_and_newer(device, expected):
+    assert has_kernels(device) == (expected == "triton")
+    shapes = ((1, 2, 4, 16), (1, 1, 2, 16, 16))
+    assert choose_attention(KernelPolicy(device=device), *shapes) == expected
+    assert choose_attention(KernelPolicy(impl="reference", device=device), *shapes) == "reference"
 
 
-def test_auto_on_this_host_follows_choose_impl():
+def test_a_kernel_policy_refuses_an_unknown_impl():
+    with pytest.raises(ValueError, match="impl must be one of"):
+        KernelPolicy(impl="cuda")
+
+
+def test_auto_on_this_host_follows_the_device():
     q, k, v, start = make_inputs(4, batch=1, tokens=2, q_heads=4, kv_heads=2, slots=16,
                                  head_dim=16, dtype=jnp.float32)
     out = attention(q, k, v, 0, start, scale=0.25)
-    if choose_impl(jax.devices()[0]) == "reference":
+    if not has_kernels(jax.devices()[0]):
         expected = attention_reference(q, k, v, 0, start, scale=0.25)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
     assert relative_error(out, oracle(q, k, v, 0, start, 0.25)) < 1e-5
@@ -183,14 +191,13 @@ def test_auto_on_this_host_follows_choose_impl():
 def test_auto_falls_back_for_shapes_the_kernel_lacks():
     q, k, v, start = make_inputs(5, batch=1, tokens=1, q_heads=2, kv_heads=1, slots=16,
                                  head_dim=24, dtype=jnp.float32)
-    out = attention(q, k, v, 0, start, scale=0.2, interpret=True)
+    out = attention(q, k, v, 0, start, scale=0.2, kernels=KernelPolicy(interpret=True))
     assert relative_error(out, oracle(q, k, v, 0, start, 0.2)) < 1e-5
     with pytest.raises(ValueError, match="head_dim"):
-        attention(q, k, v, 0, start, scale=0.2, impl="triton", interpret=True)
+        attention(q, k, v, 0, start, scale=0.2, kernels=INTERPRET)
 
 
 @pytest.mark.parametrize("change, error", [
-    (dict(impl="cuda"), ValueError),
     (dict(q=jnp.zeros((1, 2, 3, 16))), ValueError),          # Hq not a multiple of Hkv
     (dict(start=jnp.zeros((2,), jnp.int32)), ValueError),    # wrong batch
     (dict(start=jnp.zeros((1,), jnp.float32)), ValueError),  # not integer

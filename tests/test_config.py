@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from specjax import config as config_lib
+from specjax.config import speculative as speculative_module
 from specjax.config import (ACCEPTED_KWARGS, EngineConfig, SpeculativeConfig, check_draft_compatible,
                             check_kv_cache_fits)
 
@@ -221,7 +222,7 @@ def test_old_mtp_method_names_map_to_mtp():
 
 
 def test_implemented_methods_is_the_one_switch(monkeypatch):
-    monkeypatch.setattr(config_lib, "IMPLEMENTED_METHODS", config_lib.IMPLEMENTED_METHODS | {"mtp"})
+    monkeypatch.setattr(speculative_module, "IMPLEMENTED_METHODS", speculative_module.IMPLEMENTED_METHODS | {"mtp"})
     cfg = spec({"method": "mtp", "num_speculative_tokens": 2})
     assert (cfg.method, cfg.model) == ("mtp", None)
 

@@ -23,28 +23,26 @@ from specjax.engine.proposers.base import TargetPass
 from specjax.engine.proposers.eagle import EagleProposer
 from specjax.engine.state import RowParams
 from specjax.models.eagle import EagleHead
-from specjax.models.kv_cache import init_cache
-from specjax.models.model_config import ModelConfig
-from specjax.models.registry import random_model
+from specjax.models.llama import FAMILY, LlamaConfig
 
 TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=61, hidden_size=32, intermediate_size=48,
             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5,
             rope_theta=1e4, tie_word_embeddings=True, max_position_embeddings=256)
-TINY_CFG = ModelConfig.from_hf_dict(TINY)
+TINY_CFG = LlamaConfig.from_hf_dict(TINY)
 TINY_AUX = [0, 2, 3]
 
 
 @pytest.fixture(scope="module")
 def tiny_target():
     """A random tiny target, scaled so its next-token distributions are peaked but not one-hot."""
-    graph, state = nnx.split(random_model(TINY_CFG, seed=0))
+    graph, state = nnx.split(FAMILY.random(TINY_CFG, seed=0))
     return graph, jax.tree.map(lambda x: x * 3, state)
 
 
 def _tiny_head(tmp_path, tiny_target, layout, **kwargs) -> EagleHead:
     path = write_head(tmp_path / layout, TINY, layout, scale=0.3, **kwargs)
     method = "eagle" if layout.startswith("eagle1") else "eagle3"
-    return load_eagle_head(path, method, TINY_CFG, tiny_target[1], "float32")
+    return load_eagle_head(path, method, TINY_CFG, tiny_target[1], np.float32)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -74,7 +72,7 @@ def _reference_drafts(target, head: EagleHead, committed: list[int], k: int) -> 
     the head over every committed position, then k - 1 steps fed back its own hidden state."""
     n = len(committed)
     seq = jnp.asarray([committed], jnp.int32)
-    cache = init_cache(target.cfg, 1, n + 1, jnp.float32)
+    cache = target.init_cache(1, n + 1)
     hidden, _, aux = target(seq, jnp.zeros((1,), jnp.int32), cache, capture_layers=tuple(head.cfg.aux_layer_ids))
     features = head.combine(aux.captured if head.cfg.method == "eagle3" else hidden)[:, :n - 1]
     attend = _reference_attention()
@@ -123,7 +121,7 @@ def test_incremental_drafts_equal_a_recomputation_from_scratch(tmp_path, tiny_ta
     lengths = jnp.asarray([8, 5], jnp.int32)
     rows = _greedy_rows(2)
     zeros = jnp.zeros((2,), jnp.int32)
-    hidden, cache, captured = run_target(jnp.asarray(tokens[:, :8]), zeros, init_cache(TINY_CFG, 2, S, jnp.float32))
+    hidden, cache, captured = run_target(jnp.asarray(tokens[:, :8]), zeros, target.init_cache(2, S))
     carry = proposer.init(state, jnp.asarray(tokens[:, :8]), lengths - 1, S)
     carry = observe(state, carry, TargetPass(hidden, captured, zeros), jnp.asarray(tokens), lengths, rows)
     drafts, _, carry = propose(state, carry, jnp.asarray(tokens), lengths, rows)
@@ -178,7 +176,7 @@ def test_sampled_tokens_follow_the_target_and_use_the_heads_q(tmp_path, tiny_tar
 
     target = nnx.merge(*tiny_target)
     context = jnp.asarray(np.append(prompt, first)[None], jnp.int32)
-    hidden, _, aux = target(context, jnp.zeros((1,), jnp.int32), init_cache(TINY_CFG, 1, S, jnp.float32),
+    hidden, _, aux = target(context, jnp.zeros((1,), jnp.int32), target.init_cache(1, S),
                             capture_layers=proposer.capture_layers)
     p = np.asarray(jax.nn.softmax(target.logits(hidden[0, -1])), np.float64)
     assert chi_square_p_value(out[chosen, 1], p) > 1e-3
@@ -233,7 +231,7 @@ def test_greedy_eagle_equals_plain_decoding(default_model_dir, default_config, p
     head = write_head(tmp_path_factory.mktemp(dirname), default_config, layout, **extra)
     k = 3
     llm = LLM(str(default_model_dir), speculative_config={"model": str(head), "num_speculative_tokens": k}, **LEN)
-    assert llm.speculative_config.method == ("eagle" if layout.startswith("eagle1") else "eagle3")
+    assert llm.config.speculative.method == ("eagle" if layout.startswith("eagle1") else "eagle3")
     outs = llm.generate(PROMPTS, GREEDY_128, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     metrics = {m.name: m for m in llm.get_metrics()}
@@ -263,7 +261,7 @@ def test_heads_that_do_not_fit_the_target_are_refused(tmp_path, tiny_target, lay
         config = json.loads((head / "config.json").read_text())
         (head / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ValueError, match=match):
-        load_eagle_head(head, method, TINY_CFG, tiny_target[1])
+        load_eagle_head(head, method, TINY_CFG, tiny_target[1], np.float32)
 
 
 def test_a_missing_tensor_is_named(tmp_path, tiny_target):
@@ -274,14 +272,14 @@ def test_a_missing_tensor_is_named(tmp_path, tiny_target):
     del tensors["midlayer.hidden_norm.weight"]
     save_file(tensors, head / "model.safetensors")
     with pytest.raises(ValueError, match="'layers.0.hidden_norm.weight' is missing"):
-        load_eagle_head(head, "eagle3", TINY_CFG, tiny_target[1])
+        load_eagle_head(head, "eagle3", TINY_CFG, tiny_target[1], np.float32)
 
 
 def test_pytorch_bin_without_torch_says_how_to_convert(tmp_path, tiny_target, monkeypatch):
     head = write_head(tmp_path / "head", TINY, "eagle1_yuhuili")
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(ImportError, match="model.safetensors"):
-        load_eagle_head(head, "eagle", TINY_CFG, tiny_target[1])
+        load_eagle_head(head, "eagle", TINY_CFG, tiny_target[1], np.float32)
 
 
 def test_method_is_inferred_from_a_local_heads_config(tmp_path):

@@ -14,9 +14,7 @@ from safetensors.numpy import load_file
 
 from checkpoints_conv.eagle_loader import load_eagle_head
 from checkpoints_conv.eagle_writer import save_eagle3_head
-from specjax.models.kv_cache import init_cache
-from specjax.models.model_config import ModelConfig
-from specjax.models.registry import build_model, random_model
+from specjax.models.llama import FAMILY, LlamaConfig
 from specjax.training import data as data_lib
 from specjax.training.__main__ import main
 from specjax.training.features import FeatureStore, FeatureWriter, open_features
@@ -27,13 +25,13 @@ from specjax.training.trainer import (LENGTH_BUCKET, TrainConfig, Trainer, batch
 TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=61, hidden_size=32, intermediate_size=48,
             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5,
             rope_theta=1e4, tie_word_embeddings=True, max_position_embeddings=256, eos_token_id=2)
-TINY_CFG = ModelConfig.from_hf_dict(TINY)
+TINY_CFG = LlamaConfig.from_hf_dict(TINY)
 AUX = (0, 2, 3)
 
 
 @pytest.fixture(scope="module")
 def tiny_target():
-    graph, state = nnx.split(random_model(TINY_CFG, seed=0))
+    graph, state = nnx.split(FAMILY.random(TINY_CFG, seed=0))
     return graph, jax.tree.map(lambda x: x * 3, state)
 
 
@@ -41,7 +39,7 @@ def tiny_target():
 def recorded(tiny_target, tmp_path_factory):
     """Three prompts of different lengths answered greedily (16 new tokens) by the tiny target, recorded."""
     llm = types.SimpleNamespace(model_config=TINY_CFG, max_model_len=64, target_graph=tiny_target[0],
-                                params=tiny_target[1], get_tokenizer=lambda: types.SimpleNamespace(eos_token_id=2))
+                                params=tiny_target[1], eos_token_ids=[2])
     prompts = [[5, 9, 11, 7, 30], [40, 3], [8, 8, 21, 17, 33, 50, 12, 6, 44]]
     path = tmp_path_factory.mktemp("features")
     writer = FeatureWriter(path, 200, TINY_CFG.hidden_size, AUX)
@@ -59,7 +57,7 @@ def test_recorded_features_are_a_teacher_forced_target_pass(tiny_target, recorde
         tokens = store.tokens[store.offsets[n]:store.offsets[n + 1]]
         assert tokens[:len(prompt)].tolist() == prompt and len(tokens) > len(prompt)
         seq = jnp.asarray(tokens[None])
-        hidden, _, aux = target(seq, jnp.zeros((1,), jnp.int32), init_cache(TINY_CFG, 1, len(tokens), jnp.float32),
+        hidden, _, aux = target(seq, jnp.zeros((1,), jnp.int32), target.init_cache(1, len(tokens)),
                                 capture_layers=AUX)
         # Every position but the last token (never run through the target while generating) is recorded.
         span = slice(store.offsets[n], store.offsets[n + 1] - 1)
@@ -75,9 +73,9 @@ def test_an_unrolled_target_records_what_the_scanned_one_does(tiny_target, recor
     responses and features as recording the scanned target."""
     store, prompts = recorded
     stacked = nnx.to_pure_dict(jax.tree.map(jnp.copy, tiny_target[1]))
-    graph, params = nnx.split(build_model(TINY_CFG, stacked, unroll_layers=True))
+    graph, params = nnx.split(FAMILY.build(TINY_CFG, stacked, unroll_layers=True))
     llm = types.SimpleNamespace(model_config=TINY_CFG, max_model_len=64, target_graph=graph, params=params,
-                                get_tokenizer=lambda: types.SimpleNamespace(eos_token_id=2))
+                                eos_token_ids=[2])
     writer = FeatureWriter(tmp_path, 200, TINY_CFG.hidden_size, AUX)
     record(llm, prompts, 16, AUX, writer, batch=2)
     unrolled = open_features(tmp_path)
@@ -97,7 +95,7 @@ def test_training_time_test_attends_as_inference_drafts(tiny_target, recorded):
     outputs = ttt_forward(head, tokens, aux, steps)
     features = head.combine(aux)
     for t in (0, 4, 9):
-        cache = init_cache(head.cfg.layers, 1, 64, jnp.float32)
+        cache = head.init_cache(1, 64)
         out, feed, cache = head(tokens[:, 1:t + 2], features[:, :t + 1], jnp.zeros((1,), jnp.int32), cache)
         np.testing.assert_allclose(out[0, t], outputs[0][0, t], rtol=1e-4, atol=1e-4)
         hidden = feed[:, t:t + 1]
@@ -122,7 +120,7 @@ def test_training_lowers_the_loss_and_round_trips_through_the_published_layout(t
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 40
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(AUX)
-    loaded = load_eagle_head(out, "eagle3", TINY_CFG, tiny_target[1], "float32")
+    loaded = load_eagle_head(out, "eagle3", TINY_CFG, tiny_target[1], np.float32)
     x = jax.random.normal(jax.random.key(0), (2, 5, 32))
     np.testing.assert_allclose(loaded.target_logits(x), trained.target_logits(x), rtol=1e-5)
     tokens = jnp.asarray(batch.tokens)

@@ -11,20 +11,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import specjax.engine.sampling as sampling_module
-import specjax.kernels.platform as platform
-import specjax.kernels.projection as projection_module
-import specjax.kernels.top_k_top_p as top_k_top_p_module
 from specjax.engine.loop import LoopSpec, build_generate, loop_compiler_options
 from specjax.engine.proposers.base import NoProposer
-from specjax.engine.proposers.build import NgramProposer
 from specjax.engine.proposers.draft_model import DraftModelProposer
+from specjax.engine.proposers.ngram import NgramProposer
 from specjax.engine.state import RowParams
-from specjax.models.model_config import ModelConfig
-from specjax.models.registry import random_model
+from specjax.kernels.policy import KernelPolicy
+from specjax.models.llama import FAMILY, LlamaConfig
 
 V = 61
-CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=V, hidden_size=32, intermediate_size=48,
+CFG = LlamaConfig(architecture="LlamaForCausalLM", vocab_size=V, hidden_size=32, intermediate_size=48,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4,
                   rope_scaling=None, tie_word_embeddings=True, attention_bias=False, qk_norm=False,
                   max_position_embeddings=256, bos_token_id=None, eos_token_ids=(), torch_dtype="float32")
@@ -32,14 +28,17 @@ MAX_LEN = 64
 LENGTHS = np.array([9, 4, 1, 7])
 
 
-def _sharp_model(seed: int):
+def _sharp_model(seed: int, kernels: KernelPolicy = KernelPolicy()):
     """Random weights scaled up so next-token distributions are peaked (repetitive, n-gram friendly)."""
-    graph, state = nnx.split(random_model(CFG, seed=seed))
-    return graph, jax.tree.map(lambda x: x * 6, state)
+    model = FAMILY.random(CFG, seed=seed, kernels=kernels)
+    graph, state = nnx.split(model)
+    return graph, jax.tree.map(lambda x: x * 6, state), model
 
 
 TARGET = _sharp_model(0)
 DRAFT = _sharp_model(1)
+# Every kernel as on a GPU (interpret mode), the top-k / top-p search from the smallest batch.
+ALL_KERNELS = KernelPolicy(interpret=True, search_min_elements=1)
 
 
 def _rows(B, temperature=0.0, max_tokens=(30, 30, 12, 30), min_tokens=0, stop_ids=((-1,),) * 4, seed=None):
@@ -59,12 +58,12 @@ def _prompts():
     return jnp.asarray(tokens), jnp.asarray(LENGTHS, jnp.int32)
 
 
-def _run(proposer, rows, k, synthetic=None):
-    fn = jax.jit(build_generate(TARGET[0], proposer, LoopSpec(k=k, n_top=0, max_model_len=MAX_LEN)),
+def _run(proposer, rows, k, synthetic=None, target=TARGET, draft=DRAFT):
+    fn = jax.jit(build_generate(target[0], proposer, LoopSpec(k=k, n_top=0, max_model_len=MAX_LEN)),
                  static_argnums=5)
     tokens, lengths = _prompts()
     rates = None if synthetic is None else jnp.asarray(synthetic, jnp.float32)
-    return fn(TARGET[1], DRAFT[1] if isinstance(proposer, DraftModelProposer) else None,
+    return fn(target[1], draft[1] if isinstance(proposer, DraftModelProposer) else None,
               tokens, lengths, rows, MAX_LEN + k + 1, rates)
 
 
@@ -78,8 +77,8 @@ def plain():
     return _generated(_run(NoProposer(), _rows(4), 0))
 
 
-def _draft_proposer(k, probabilistic=False):
-    return DraftModelProposer(DRAFT[0], k, probabilistic)
+def _draft_proposer(k, probabilistic=False, draft=DRAFT):
+    return DraftModelProposer(draft[0], k, probabilistic, cache_bytes=draft[2].cache_bytes)
 
 
 @pytest.mark.parametrize("make", [lambda k: NgramProposer(k, 1, 3), _draft_proposer], ids=["ngram", "draft"])
@@ -90,22 +89,19 @@ def test_greedy_speculation_equals_plain_decoding(plain, make, k):
     assert [len(g) for g in plain] == [30, 30, 12, 30]
 
 
-def test_greedy_speculation_equals_plain_decoding_with_the_projection_kernel(plain, monkeypatch):
-    """The model's projections through the fused Pallas kernel (interpret mode, as on a GPU): a verify pass
-    rounds each token as a decode step does, so speculation still reproduces plain decoding exactly; and
-    plain decoding matches the XLA path's tokens on this peaked model."""
-    monkeypatch.setattr(platform, "choose_impl", lambda device: "triton")
-    kernel = projection_module.projection_triton
-    monkeypatch.setattr(projection_module, "projection_triton",
-                        lambda *args, **kwargs: kernel(*args, **(kwargs | dict(interpret=True))))
-    with_kernel = _generated(_run(NoProposer(), _rows(4), 0))
-    assert _generated(_run(NgramProposer(3, 1, 3), _rows(4), 3)) == with_kernel
-    assert with_kernel == plain
+def test_greedy_speculation_equals_plain_decoding_with_the_kernels(plain):
+    """The model through the Pallas kernels (interpret mode, as on a GPU: the fused projections, attention):
+    a verify pass rounds each token as a decode step does, so speculation still reproduces plain decoding
+    exactly; and plain decoding matches the XLA path's tokens on this peaked model."""
+    target = _sharp_model(0, ALL_KERNELS)
+    with_kernels = _generated(_run(NoProposer(), _rows(4), 0, target=target))
+    assert _generated(_run(NgramProposer(3, 1, 3), _rows(4), 3, target=target)) == with_kernels
+    assert with_kernels == plain
 
 
 def test_self_drafting_accepts_every_draft_the_limits_allow():
     k = 3
-    proposer = DraftModelProposer(TARGET[0], k, False)
+    proposer = DraftModelProposer(TARGET[0], k, False, cache_bytes=TARGET[2].cache_bytes)
     fn = jax.jit(build_generate(TARGET[0], proposer, LoopSpec(k=k, n_top=0, max_model_len=MAX_LEN)),
                  static_argnums=5)
     tokens, lengths = _prompts()
@@ -147,40 +143,33 @@ def test_seeded_sampling_is_batch_invariant():
     assert full[1] != other[1]
 
 
-def test_sampled_speculation_through_the_radix_search_draws_what_the_sort_would(monkeypatch):
-    """Top-k / top-p by the sort-free search inside the loop (interpret mode, as on a GPU): it keeps the tokens
-    the sort keeps, so a seeded, probabilistically drafted run emits the very same tokens."""
+def test_sampled_speculation_through_the_radix_search_draws_what_the_sort_would():
+    """Top-k / top-p by the sort-free search inside the loop (interpret mode, as on a GPU, every kernel): it
+    keeps the tokens the sort keeps, so a seeded, probabilistically drafted run emits the very same tokens."""
     k = 3
     rows = dataclasses.replace(_rows(4, temperature=1.0, seed=[5, 6, 7, 8]),
                                top_k=jnp.asarray([0, 7, 0, 20], jnp.int32),
                                top_p=jnp.asarray([0.8, 1.0, 0.6, 0.9], jnp.float32))
     sorted_run = _generated(_run(_draft_proposer(k, True), rows, k))
-    search = top_k_top_p_module.keep_mask_triton
-    used = []
-    monkeypatch.setattr(top_k_top_p_module, "_use_search", lambda *_: True)
-    monkeypatch.setattr(top_k_top_p_module, "keep_mask_triton",
-                        lambda *args, **kwargs: used.append(1) or search(*args, **(kwargs | dict(interpret=True))))
-    searched_run = _generated(_run(_draft_proposer(k, True), rows, k))
-    assert used
+    target, draft = _sharp_model(0, ALL_KERNELS), _sharp_model(1, ALL_KERNELS)
+    searched_run = _generated(_run(_draft_proposer(k, True, draft), rows, k, target=target, draft=draft))
     assert searched_run == sorted_run
 
 
-@pytest.mark.parametrize("impl", ["reference", "auto"])
-def test_sampling_filters_follow_the_models_kernel_choice(monkeypatch, impl):
-    """attention_impl reaches top-k / top-p too: "reference" keeps the sort on a GPU as well, for the target's
-    verify and plain draws and the draft's own distribution."""
+@pytest.mark.parametrize("kernels, searches", [(KernelPolicy(impl="reference"), False), (ALL_KERNELS, True)])
+def test_sampling_filters_follow_the_models_kernel_policy(kernels, searches):
+    """The models' kernel policy reaches top-k / top-p too, at every call site: the target's verify and plain
+    draws and the draft's own distribution (impl "reference" keeps the sort on a GPU as well)."""
     k = 2
-    graph, state = nnx.split(random_model(CFG, seed=0, attention_impl=impl))
-    draft_graph, draft_state = nnx.split(random_model(CFG, seed=1, attention_impl=impl))
-    seen = []
-    keep_mask = sampling_module.keep_mask
-    monkeypatch.setattr(sampling_module, "keep_mask",
-                        lambda *args, impl: seen.append(impl) or keep_mask(*args, impl=impl))
+    graph, state, _ = _sharp_model(0, kernels)
+    draft = _sharp_model(1, kernels)
     rows = dataclasses.replace(_rows(4, temperature=1.0), top_p=jnp.full((4,), 0.9, jnp.float32))
-    fn = build_generate(graph, DraftModelProposer(draft_graph, k, True), LoopSpec(k=k, n_top=0, max_model_len=MAX_LEN))
+    fn = build_generate(graph, _draft_proposer(k, True, draft), LoopSpec(k=k, n_top=0, max_model_len=MAX_LEN))
     tokens, lengths = _prompts()
-    jax.eval_shape(functools.partial(fn, cache_len=MAX_LEN + k + 1), state, draft_state, tokens, lengths, rows)
-    assert len(seen) >= 3 and set(seen) == {impl}
+    program = str(jax.make_jaxpr(functools.partial(fn, cache_len=MAX_LEN + k + 1))(state, draft[1], tokens,
+                                                                                  lengths, rows))
+    sites = program.count("name=top_k_top_p_search_mass")
+    assert sites >= 3 if searches else sites == 0
 
 
 def test_counters_match_a_hand_trace():

@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 from checkpoints_conv.cli import main as cli_main
 from checkpoints_conv.gguf_to_hf import convert_gguf_to_hf, unpermute_rope_rows
 from specjax.default_model import DEFAULT_MODEL, GGUF_MEMBER
-from specjax.models.model_config import ModelConfig
+from specjax.models.registry import config_from_dir
 
 gguf = pytest.importorskip("gguf")   # a declared dependency, but absent from some prebuilt GPU images
 
@@ -100,7 +100,7 @@ def test_tiny_gguf_round_trip_is_exact(tmp_path, tiny_checkpoint_factory, family
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     # GGUF stores rms_norm_eps as float32; everything else describes the same model.
-    converted, source = ModelConfig.from_dir(out), ModelConfig.from_dir(hf_dir)
+    converted, source = config_from_dir(out)[1], config_from_dir(hf_dir)[1]
     assert converted.rms_norm_eps == pytest.approx(source.rms_norm_eps, rel=1e-6)
     assert dataclasses.replace(converted, rms_norm_eps=source.rms_norm_eps) == source
     tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())

@@ -9,13 +9,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+# JAX's private Triton lowering: when a JAX release moves it, this import fails the suite (rather than skipping
+# the only check that the kernels build for a GPU); find its new home and update the import.
+from jax._src.pallas.triton import pallas_call_registration as registration
 
 from specjax.kernels.attention_triton import attention_triton
 from specjax.kernels.projection_triton import projection_triton
 from specjax.kernels.top_k_top_p import LARGE_BATCH_CONFIG
 from specjax.kernels.top_k_top_p_triton import SearchConfig, keep_mask_triton
-
-registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
 
 
 @pytest.fixture

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.models.kv_cache import init_cache, write_layer
-from specjax.models.registry import random_model
+from specjax.kernels.policy import KernelPolicy
+from specjax.models.kv_cache import write_layer
+from specjax.models.llama import FAMILY
 from tests.test_engine_loop import CFG
 
 
@@ -34,13 +35,13 @@ def test_a_window_past_the_end_is_clamped_like_dynamic_update_slice():
 
 
 def _forward_size(batch: int) -> int:
-    model = random_model(CFG, unroll_layers=True, attention_impl="reference")
+    model = FAMILY.random(CFG, unroll_layers=True, kernels=KernelPolicy(impl="reference"))
     graph, state = nnx.split(model)
 
     def forward(state, tokens, start, cache):
         return nnx.merge(graph, state)(tokens, start, cache)[1]
 
-    cache = init_cache(CFG, batch, 32, jnp.float32)
+    cache = model.init_cache(batch, 32)
     tokens, start = jnp.zeros((batch, 4), jnp.int32), jnp.zeros((batch,), jnp.int32)
     return len(jax.make_jaxpr(forward)(state, tokens, start, cache).jaxpr.eqns)
 

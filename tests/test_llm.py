@@ -74,7 +74,7 @@ def test_chat_batch_equals_transformers_with_the_same_template(llm, hf_model):
 
 def test_second_generate_in_the_same_bucket_does_not_compile(llm):
     llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
-    fn = llm._runner._generate_fn(0, True)   # (n_top, all rows greedy)
+    fn = llm._runner.generate_fn(0, True)   # (n_top, all rows greedy)
     before = fn._cache_size()
     llm.generate(["Another prompt of similar size", "and one more"], SamplingParams(temperature=0.0, max_tokens=30),
                  use_tqdm=False)

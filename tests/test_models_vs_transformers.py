@@ -7,12 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from checkpoints_conv import convert_hf_to_orbax, load_checkpoint, load_params
-from conftest import TINY_FAMILIES
-from specjax.models.kv_cache import init_cache
-from specjax.models.llama import stack_layers, unstack_layers
-from specjax.models.model_config import ModelConfig
-from specjax.models.registry import build_model
+import dataclasses
+
+from checkpoints_conv import convert_hf_to_orbax
+from conftest import TINY_FAMILIES, read_checkpoint
+from specjax.models.llama import FAMILY, LlamaConfig, stack_layers, unstack_layers
 
 REL_TOL = 1e-4
 TINY_PROMPT_LENGTHS = (7, 3, 12)   # rows of different lengths share one right-padded batch
@@ -22,15 +21,15 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
-def flax_logits(cfg: ModelConfig, params: dict, prompts: list[list[int]],
+def flax_logits(cfg: LlamaConfig, params: dict, prompts: list[list[int]],
                 unroll_layers: bool | None = None) -> list[np.ndarray]:
     """Logits [len, V] per prompt from one right-padded batched prefill starting at position 0."""
     width = max(len(p) for p in prompts)
     tokens = np.zeros((len(prompts), width), np.int32)
     for row, prompt in enumerate(prompts):
         tokens[row, :len(prompt)] = prompt
-    model = build_model(cfg, params, unroll_layers=unroll_layers)
-    cache = init_cache(cfg, len(prompts), width, jnp.float32)
+    model = FAMILY.build(cfg, params, unroll_layers=unroll_layers)
+    cache = model.init_cache(len(prompts), width)
     # Full fp32 matmuls: on GPUs JAX's default precision for fp32 is TF32 (about 1e-3 relative).
     with jax.default_matmul_precision("highest"):
         hidden, _, _ = model(jnp.asarray(tokens), jnp.zeros((len(prompts),), jnp.int32), cache)
@@ -76,15 +75,14 @@ def test_tiny_family_logits_match_transformers(tiny_checkpoint_factory, torch_re
     """Both layer layouts: stacked weights under lax.scan (the CPU default) and per-layer weights unrolled
     (the GPU default)."""
     model_dir = tiny_checkpoint_factory(family)
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg, params = read_checkpoint(model_dir, dtype="float32")
     prompts = random_prompts(cfg.vocab_size, TINY_PROMPT_LENGTHS)
-    got = flax_logits(cfg, load_params(model_dir, cfg, dtype="float32"), prompts, unroll_layers=unroll)
+    got = flax_logits(cfg, params, prompts, unroll_layers=unroll)
     assert_logits_match(got, torch_logits(torch_reference(model_dir), prompts))
 
 
 def test_per_layer_layout_round_trips_and_releases_the_stacked_leaves(tiny_checkpoint_factory):
-    cfg = ModelConfig.from_dir(tiny_checkpoint_factory("qwen3"))
-    params = load_params(tiny_checkpoint_factory("qwen3"), cfg)
+    cfg, params = read_checkpoint(tiny_checkpoint_factory("qwen3"))
     stacked = {name: np.asarray(leaf) for name, leaf in params["layers"].items()}
     per_layer = unstack_layers(params, cfg.num_layers)
     assert "layers" not in params   # consumed: the stacked leaves are no longer held
@@ -99,11 +97,10 @@ def test_per_layer_layout_round_trips_and_releases_the_stacked_leaves(tiny_check
 def test_llama3_rope_scaling_matters(tiny_checkpoint_factory):
     """Guard that the llama3 family really exercises scaled RoPE: dropping the scaling changes the logits."""
     model_dir = tiny_checkpoint_factory("llama3_tied")
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg, params = read_checkpoint(model_dir)
     assert cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "llama3"
-    params = load_params(model_dir, cfg)
     prompts = random_prompts(cfg.vocab_size, (40,))
-    unscaled = ModelConfig(**{**cfg.__dict__, "rope_scaling": None})
+    unscaled = dataclasses.replace(cfg, rope_scaling=None)
     assert relative_error(flax_logits(unscaled, params, prompts)[0], flax_logits(cfg, params, prompts)[0]) > 1e-3
 
 
@@ -111,9 +108,9 @@ def test_llama3_rope_scaling_matters(tiny_checkpoint_factory):
 def test_orbax_round_trip_logits_match_transformers(tmp_path, tiny_checkpoint_factory, torch_reference, family):
     model_dir = tiny_checkpoint_factory(family)
     converted = convert_hf_to_orbax(model_dir, tmp_path / "converted")
-    cfg = ModelConfig.from_dir(converted)
+    cfg, params = read_checkpoint(converted)
     prompts = random_prompts(cfg.vocab_size, TINY_PROMPT_LENGTHS, seed=1)
-    got = flax_logits(cfg, load_checkpoint(converted, cfg), prompts)
+    got = flax_logits(cfg, params, prompts)
     assert_logits_match(got, torch_logits(torch_reference(model_dir), prompts))
 
 
@@ -143,6 +140,6 @@ def test_smollm2_logits_match_transformers_gguf_model(default_model_dir, smollm2
                                          tokenize=False, add_generation_prompt=True)
     prompts = [tokenizer(t)["input_ids"] for t in texts + [chat]]
     assert len({len(p) for p in prompts}) > 1
-    cfg = ModelConfig.from_dir(default_model_dir)
-    got = flax_logits(cfg, load_params(default_model_dir, cfg), prompts)
+    cfg, params = read_checkpoint(default_model_dir)
+    got = flax_logits(cfg, params, prompts)
     assert_logits_match(got, torch_logits(smollm2_gguf_reference, prompts))

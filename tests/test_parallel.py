@@ -26,15 +26,18 @@ from eagle_heads import write_head
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from specjax import LLM, SamplingParams, make_generate_fn, parallel
+from specjax import LLM, SamplingParams, make_generate_fn
 from specjax.engine.loop import LoopSpec, build_generate
-from specjax.engine.proposers.build import NgramProposer
+from specjax.engine.proposers.ngram import NgramProposer
 from specjax.engine.runner import Request
 from specjax.engine.state import RowParams
 from specjax.kernels.attention import attention
 from specjax.kernels.attention_reference import attention_reference
-from specjax.models.model_config import ModelConfig
-from specjax.models.registry import random_model
+from specjax.kernels.policy import KernelPolicy
+from specjax.models.llama import FAMILY, LlamaConfig
+from specjax.models.registry import config_from_dir
+from specjax.parallel import mesh as parallel_mesh
+from specjax.parallel.plan import leaf_spec, shard_state
 
 DEVICES = 8
 HERE = Path(__file__).resolve()
@@ -55,7 +58,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [40, 41, 42], [77], [100, 3, 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 LIMITS = dict(max_model_len=64, max_num_seqs=4)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-# Expected split axis of each leaf, written out here rather than read from specjax.parallel.
+# Expected split axis of each leaf, written out here rather than read from the family's partition rules.
 SPLIT_AXIS = {"embed": 0, "lm_head": 1, "w_qkv": 2, "b_qkv": 1, "wo": 1, "w_gate_up": 2, "w_down": 1}
 KV_LEAVES = {"w_qkv", "b_qkv"}
 
@@ -209,7 +212,7 @@ def test_plain_and_speculative_agree_at_tp1_too(build):
 
 # -------------------------------------------------------------------------------- params really sharded
 
-def _check_leaf(path: str, leaf: jax.Array, tp: int, cfg: ModelConfig, replicated: bool = False) -> None:
+def _check_leaf(path: str, leaf: jax.Array, tp: int, cfg: LlamaConfig, replicated: bool = False) -> None:
     name = path.split("/")[-1]
     axis = None if replicated else SPLIT_AXIS.get(name)
     if axis is not None and any(part.isdigit() for part in path.split("/")):
@@ -263,7 +266,7 @@ def test_unrolled_per_layer_leaves_are_sharded_and_generate_like_tp1(build, targ
 def test_draft_params_are_replicated_or_split_like_the_target(build, draft_dir, method):
     tp = 4
     llm, _ = build(tp, method)
-    cfg = ModelConfig.from_dir(draft_dir)
+    cfg = config_from_dir(draft_dir)[1]
     leaves = _leaves(llm.draft_params)
     assert {"embed", "layers/b_qkv", "layers/wo"} <= set(leaves)  # tied, with q/k/v biases
     for path, leaf in leaves.items():
@@ -291,7 +294,7 @@ def _wave_state(llm):
     wave = [Request(p, GREEDY, i) for i, p in enumerate(PROMPTS)]
     prompts, lengths, rows, cache_len = runner._pack(wave)
     args = (runner.target_state, runner.draft_state, prompts, lengths, rows, cache_len, runner.synthetic_rates)
-    return runner._generate_fn(0, True), args   # (n_top, all rows greedy)
+    return runner.generate_fn(0, True), args   # (n_top, all rows greedy)
 
 
 @needs_8
@@ -348,7 +351,7 @@ def test_only_the_layout_collectives_are_compiled(build, method):
 @pytest.mark.parametrize("num_kv_heads", [4, 2], ids=["kv-split", "kv-replicated"])
 def test_attention_runs_per_shard_under_shard_map(impl, num_kv_heads):
     tp, B, T, Hq, S, D, L = 4, 2, 3, 8, 32, 16, 2
-    mesh = parallel.build_mesh(tp)
+    mesh = parallel_mesh.build_mesh(tp)
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     q = jax.random.normal(keys[0], (B, T, Hq, D))
     k_cache = jax.random.normal(keys[1], (L, B, num_kv_heads, S, D))
@@ -359,8 +362,9 @@ def test_attention_runs_per_shard_under_shard_map(impl, num_kv_heads):
     k_cache, v_cache = (jax.device_put(c, NamedSharding(mesh, P(None, None, kv_axis))) for c in (k_cache, v_cache))
 
     def sharded(q, k_cache, v_cache, layer, start):
-        with parallel.traced_with(parallel.Layout(mesh, head_axis="model")):
-            return attention(q, k_cache, v_cache, layer, start, scale=D ** -0.5, impl=impl, interpret=True)
+        with parallel_mesh.traced_with(parallel_mesh.Layout(mesh, head_axis="model")):
+            return attention(q, k_cache, v_cache, layer, start, scale=D ** -0.5,
+                             kernels=KernelPolicy(impl=impl, interpret=True))
 
     fn = jax.jit(sharded)
     out = fn(q, k_cache, v_cache, jnp.int32(1), start)
@@ -371,7 +375,7 @@ def test_attention_runs_per_shard_under_shard_map(impl, num_kv_heads):
     assert not _collectives(hlo), "attention over heads needs no communication"
 
 
-SMALL = ModelConfig(architecture="LlamaForCausalLM", vocab_size=V, hidden_size=64, intermediate_size=64,
+SMALL = LlamaConfig(architecture="LlamaForCausalLM", vocab_size=V, hidden_size=64, intermediate_size=64,
                     num_layers=2, num_heads=8, num_kv_heads=4, head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4,
                     rope_scaling=None, tie_word_embeddings=True, attention_bias=False, qk_norm=False,
                     max_position_embeddings=128, bos_token_id=None, eos_token_ids=(), torch_dtype="float32")
@@ -381,7 +385,7 @@ SMALL = ModelConfig(architecture="LlamaForCausalLM", vocab_size=V, hidden_size=6
 def test_replicas_on_a_data_axis_each_generate_their_rows():
     """8 devices as 2 replicas x TP 4: the same tokens as one device, the cache split by rows and kv heads,
     and no collective between the replicas other than the final step count."""
-    graph, state = nnx.split(random_model(SMALL, seed=0))
+    graph, state = nnx.split(FAMILY.random(SMALL, seed=0))
     state = jax.tree.map(lambda x: x * 6, state)
     generate = build_generate(graph, NgramProposer(3, 1, 3), LoopSpec(k=3, n_top=0, max_model_len=64))
     B = 4
@@ -392,10 +396,11 @@ def test_replicas_on_a_data_axis_each_generate_their_rows():
     prompts = np.random.RandomState(0).randint(0, V, (B, 16)).astype(np.int32)
     lengths = np.array([9, 4, 1, 7], np.int32)
     one_device = jax.jit(generate, static_argnums=5)(state, None, prompts, lengths, rows, 48)
-    mesh = parallel.build_mesh(4, jax.devices())
+    mesh = parallel_mesh.build_mesh(4, jax.devices())
     assert dict(mesh.shape) == {"data": 2, "model": 4}
-    fn = jax.jit(parallel.sharded_generate(generate, mesh), static_argnums=5)
-    args = (parallel.shard_state(state, SMALL, mesh), None, prompts, lengths, rows, 48)
+    fn = jax.jit(build_generate(graph, NgramProposer(3, 1, 3), LoopSpec(k=3, n_top=0, max_model_len=64), mesh=mesh),
+                 static_argnums=5)
+    args = (shard_state(state, FAMILY.partition_rules(SMALL, 4), mesh), None, prompts, lengths, rows, 48)
     out = fn(*args)
     np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(one_device.lengths))
     for b in range(B):
@@ -416,7 +421,8 @@ def test_partition_rules_cover_every_leaf_of_every_family():
                                            vocab_size=97)]
     for cfg in variants:
         for tp in (2, 4, 8):
-            specs = {p: parallel.leaf_spec(p, cfg, tp) for p in _paths(cfg)}
+            rules = FAMILY.partition_rules(cfg, tp)
+            specs = {p: leaf_spec(p, len(spec.shape), rules) for p, spec in FAMILY.weight_map(cfg).items()}
             for path, spec in specs.items():
                 name = path.split("/")[-1]
                 vocab_replicated = name in ("embed", "lm_head") and cfg.vocab_size % tp
@@ -425,11 +431,6 @@ def test_partition_rules_cover_every_leaf_of_every_family():
                     assert spec[SPLIT_AXIS[name]] == "model", (path, spec)
                 else:
                     assert all(s is None for s in spec), (path, spec)
-
-
-def _paths(cfg):
-    from checkpoints_conv import hf_name_map
-    return list(hf_name_map(cfg))
 
 
 @pytest.mark.parametrize("heads,kv_heads,inter,tp,match", [
@@ -441,23 +442,23 @@ def _paths(cfg):
 def test_shapes_that_cannot_be_split_are_refused(heads, kv_heads, inter, tp, match):
     cfg = dataclasses.replace(SMALL, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=inter)
     with pytest.raises(ValueError, match=match):
-        parallel.check_tensor_parallel(cfg, tp)
+        FAMILY.check_tensor_parallel(cfg, tp, field="tensor_parallel_size")
 
 
 @needs_8
 def test_mesh_from_the_global_device_list():
     """What jax.distributed changes is jax.devices(): it lists every process's devices, and the mesh is
     built from it the same way."""
-    mesh = parallel.build_mesh(2)
+    mesh = parallel_mesh.build_mesh(2)
     assert dict(mesh.shape) == {"data": 1, "model": 2}
     assert list(mesh.devices.flat) == jax.devices()[:2]
-    mesh = parallel.build_mesh(2, jax.devices())
+    mesh = parallel_mesh.build_mesh(2, jax.devices())
     assert dict(mesh.shape) == {"data": 4, "model": 2}
     assert mesh.devices.tolist() == np.asarray(jax.devices()).reshape(4, 2).tolist()
     with pytest.raises(ValueError, match="cannot be split into replicas"):
-        parallel.build_mesh(3, jax.devices())
+        parallel_mesh.build_mesh(3, jax.devices())
     with pytest.raises(ValueError, match="tensor_parallel_size=16 is larger than the 8"):
-        parallel.build_mesh(16)
+        parallel_mesh.build_mesh(16)
 
 
 @needs_8

@@ -9,22 +9,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import specjax.kernels.platform as platform
-import specjax.kernels.prefill_attention as prefill_module
 from specjax.kernels.attention_reference import attention_reference
-from specjax.kernels.prefill_attention import (PREFILL_CUDNN_MIN_TOKENS, causal_self_attention,
-                                               prefill_path)
-from specjax.models.kv_cache import init_cache
-from specjax.models.model_config import ModelConfig
-from specjax.models.registry import random_model
+from specjax.kernels.policy import KernelPolicy
+from specjax.kernels.prefill_attention import causal_self_attention, prefill_path
+from specjax.models.llama import FAMILY, LlamaConfig
+from specjax.parallel.mesh import traced_with
 
 H100 = types.SimpleNamespace(platform="gpu", compute_capability="9.0")
-LONG = PREFILL_CUDNN_MIN_TOKENS
+LONG = KernelPolicy().prefill_fused_min_tokens
 
 
 @pytest.mark.parametrize("impl, device, q_shape, dtype, expected", [
-    ("auto", H100, (1, LONG, 32, 128), jnp.bfloat16, "cudnn"),
-    ("auto", H100, (4, 4 * LONG, 9, 64), jnp.float16, "cudnn"),
+    ("auto", H100, (1, LONG, 32, 128), jnp.bfloat16, "fused"),
+    ("auto", H100, (4, 4 * LONG, 9, 64), jnp.float16, "fused"),
     ("auto", H100, (1, LONG - 1, 32, 128), jnp.bfloat16, "cache"),       # short prompt: our kernel is faster
     ("auto", H100, (1, LONG, 32, 128), jnp.float32, "cache"),            # cuDNN's fused path is half precision
     ("auto", H100, (1, LONG, 32, 100), jnp.bfloat16, "cache"),           # head dim not a multiple of 8
@@ -36,13 +33,12 @@ LONG = PREFILL_CUDNN_MIN_TOKENS
     ("reference", H100, (1, LONG, 32, 128), jnp.bfloat16, "cache"),
 ])
 def test_prefill_path(impl, device, q_shape, dtype, expected):
-    assert prefill_path(impl, device, q_shape, dtype) == expected
+    assert prefill_path(KernelPolicy(impl=impl, device=device), q_shape, dtype) == expected
 
 
-def test_tensor_parallel_prefill_stays_on_the_cache_path(monkeypatch):
-    monkeypatch.setattr(platform, "current_layout",
-                        lambda: types.SimpleNamespace(mesh=types.SimpleNamespace(size=2)))
-    assert prefill_path("auto", H100, (1, LONG, 32, 128), jnp.bfloat16) == "cache"
+def test_tensor_parallel_prefill_stays_on_the_cache_path():
+    with traced_with(types.SimpleNamespace(mesh=types.SimpleNamespace(size=2))):
+        assert prefill_path(KernelPolicy(device=H100), (1, LONG, 32, 128), jnp.bfloat16) == "cache"
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 1)])
@@ -64,30 +60,29 @@ def test_self_attention_equals_the_cache_path(heads, kv_heads):
     np.testing.assert_allclose(np.asarray(fused), np.asarray(cached), rtol=1e-5, atol=1e-5)
 
 
-def test_model_prefill_through_the_fused_path_matches_the_forward(monkeypatch):
-    """With the fused path forced (XLA standing in for cuDNN, which this host lacks), a fresh prefill gives
-    the hidden states and KV cache of the ordinary forward."""
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=61, hidden_size=32, intermediate_size=48,
+def test_model_prefill_through_the_fused_path_matches_the_forward():
+    """With the fused path chosen from the first token (XLA standing in for cuDNN, which this host lacks), a
+    fresh prefill gives the hidden states and KV cache of the ordinary forward."""
+    cfg = LlamaConfig(architecture="LlamaForCausalLM", vocab_size=61, hidden_size=32, intermediate_size=48,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
                       rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=True, attention_bias=False,
                       qk_norm=False, max_position_embeddings=64, bos_token_id=1, eos_token_ids=(2,),
                       torch_dtype="float32")
-    model = random_model(cfg, seed=3)
+    fused_policy = KernelPolicy(prefill_fused_impl="xla", prefill_fused_min_tokens=1)
     tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, cfg.vocab_size)
     start = jnp.zeros((2,), jnp.int32)
 
-    def forward(fresh):
-        return model(tokens, start, init_cache(cfg, 2, 16, jnp.float32), fresh=fresh)
+    def forward(kernels, fresh):
+        model = FAMILY.random(cfg, seed=3, kernels=kernels)
+        program = jax.make_jaxpr(lambda t, s, c: model(t, s, c, fresh=fresh))(tokens, start, model.init_cache(2, 16))
+        return str(program), model(tokens, start, model.init_cache(2, 16), fresh=fresh)
 
     with jax.default_matmul_precision("highest"):
-        hidden, cache, _ = forward(fresh=False)
-        calls = []
-        monkeypatch.setattr(prefill_module, "prefill_path", lambda *_: calls.append(1) or "cudnn")
-        monkeypatch.setattr(prefill_module, "causal_self_attention",
-                            lambda q, k, v, scale, implementation: causal_self_attention(
-                                q, k, v, scale=scale, implementation="xla"))
-        fused_hidden, fused_cache, _ = forward(fresh=True)
-    assert calls, "the fresh prefill did not go through prefill_attention"
+        _, (hidden, cache, _) = forward(KernelPolicy(), fresh=False)
+        cache_path, _ = forward(KernelPolicy(), fresh=True)
+        fused_path, (fused_hidden, fused_cache, _) = forward(fused_policy, fresh=True)
+    assert prefill_path(fused_policy, (2, 9, 4, 8), jnp.float32) == "fused"
+    assert fused_path != cache_path, "the fresh prefill did not follow the policy to the fused attention"
     np.testing.assert_allclose(np.asarray(fused_hidden), np.asarray(hidden), rtol=1e-5, atol=1e-5)
     for fused, plain in ((fused_cache.k, cache.k), (fused_cache.v, cache.v)):
         np.testing.assert_array_equal(np.asarray(fused[0]), np.asarray(plain[0]))   # before any attention

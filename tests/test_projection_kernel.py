@@ -11,10 +11,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-import specjax.kernels.platform as platform
-import specjax.kernels.projection as projection_module
-from specjax.kernels.projection import MAX_KERNEL_ROWS, SMALL_WEIGHT_BYTES, projection
+from specjax.kernels.policy import KernelPolicy
+from specjax.kernels.projection import projection
 from specjax.kernels.projection_reference import projection_reference
+from specjax.parallel.mesh import traced_with
 from specjax.kernels.projection_triton import BLOCK_M, ProjectionConfig, default_config, projection_triton
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
@@ -112,35 +112,35 @@ def fake_device(platform, capability=None):
     return types.SimpleNamespace(platform=platform, compute_capability=capability)
 
 
-def uses_kernel(monkeypatch, device, x_shape, w_shape, impl="auto"):
-    """Whether projection() picks the kernel on `device` (the kernel call itself is stubbed out)."""
-    monkeypatch.setattr(projection_module.jax, "devices", lambda: [device])
-    monkeypatch.setattr(projection_module, "projection_triton", lambda x, w, **_: "kernel")
-    out = projection(jnp.zeros(x_shape, jnp.bfloat16), jnp.zeros(w_shape, jnp.bfloat16), impl=impl)
-    return isinstance(out, str)
+def uses_kernel(device, x_shape, w_shape, impl="auto"):
+    """Whether projection() traces the Pallas kernel under a policy for `device` (traced, not run)."""
+    kernels = KernelPolicy(impl=impl, device=device)
+    x, w = jnp.zeros(x_shape, jnp.bfloat16), jnp.zeros(w_shape, jnp.bfloat16)
+    return "pallas_call" in str(jax.make_jaxpr(lambda x, w: projection(x, w, kernels=kernels))(x, w))
 
 
-def test_dispatcher_uses_the_kernel_only_where_launches_bound_the_projection(monkeypatch):
+def test_dispatcher_uses_the_kernel_only_where_launches_bound_the_projection():
     h100 = fake_device("gpu", "9.0")
     small = (576, 960)                                    # the default model's q/k/v
     big = (4096, 6144)                                    # Llama-3.1-8B's q/k/v: XLA's GEMM streams it
-    assert 2 * small[0] * small[1] <= SMALL_WEIGHT_BYTES < 2 * big[0] * big[1]
-    assert uses_kernel(monkeypatch, h100, (1, 1, 576), small)
-    assert uses_kernel(monkeypatch, h100, (8, 4, 576), small)            # a verify pass
-    assert not uses_kernel(monkeypatch, h100, (1, MAX_KERNEL_ROWS + 1, 576), small)   # a prefill
-    assert not uses_kernel(monkeypatch, h100, (1, 1, 4096), big)
-    assert not uses_kernel(monkeypatch, fake_device("gpu", "7.5"), (1, 1, 576), small)   # T4
-    assert not uses_kernel(monkeypatch, fake_device("cpu"), (1, 1, 576), small)
-    assert uses_kernel(monkeypatch, fake_device("cpu"), (1, 1, 4096), big, impl="triton")
-    assert not uses_kernel(monkeypatch, h100, (1, 1, 576), small, impl="reference")
+    policy = KernelPolicy()
+    assert 2 * small[0] * small[1] <= policy.projection_max_weight_bytes < 2 * big[0] * big[1]
+    assert uses_kernel(h100, (1, 1, 576), small)
+    assert uses_kernel(h100, (8, 4, 576), small)            # a verify pass
+    assert not uses_kernel(h100, (1, policy.projection_max_rows + 1, 576), small)   # a prefill
+    assert not uses_kernel(h100, (1, 1, 4096), big)
+    assert not uses_kernel(fake_device("gpu", "7.5"), (1, 1, 576), small)   # T4
+    assert not uses_kernel(fake_device("cpu"), (1, 1, 576), small)
+    assert uses_kernel(fake_device("cpu"), (1, 1, 4096), big, impl="triton")
+    assert not uses_kernel(h100, (1, 1, 576), small, impl="reference")
 
 
-def test_dispatcher_leaves_tensor_parallel_projections_to_xla(monkeypatch):
+def test_dispatcher_leaves_tensor_parallel_projections_to_xla():
     """Under a tensor-parallel layout XLA's partitioner splits the reference's matmul; a Pallas call it
     cannot, so even impl="triton" runs the reference there."""
     two_devices = types.SimpleNamespace(mesh=types.SimpleNamespace(size=2))
-    monkeypatch.setattr(platform, "current_layout", lambda: two_devices)
-    assert not uses_kernel(monkeypatch, fake_device("gpu", "9.0"), (1, 1, 576), (576, 960), impl="triton")
+    with traced_with(two_devices):
+        assert not uses_kernel(fake_device("gpu", "9.0"), (1, 1, 576), (576, 960), impl="triton")
 
 
 def test_auto_on_this_host_equals_the_reference_off_gpus():
@@ -150,7 +150,6 @@ def test_auto_on_this_host_equals_the_reference_off_gpus():
 
 
 @pytest.mark.parametrize("change, error", [
-    (dict(impl="cuda"), ValueError),
     (dict(activation="gelu"), ValueError),
     (dict(w=jnp.zeros((8, 16))), ValueError),                 # K != x's last axis
     (dict(w=jnp.zeros((32, 16), jnp.bfloat16)), TypeError),   # dtypes differ

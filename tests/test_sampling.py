@@ -204,8 +204,7 @@ def test_row_key_depends_only_on_seed_position_purpose():
 
 
 def test_purpose_constants_are_distinct():
-    purposes = [sampling.SAMPLE, sampling.ACCEPT, sampling.RECOVER, sampling.DRAFT,
-                sampling.BONUS]
+    purposes = [sampling.SAMPLE, sampling.ACCEPT, sampling.RECOVER, sampling.DRAFT]
     assert len(set(purposes)) == len(purposes)
 
 

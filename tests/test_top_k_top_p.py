@@ -9,9 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.kernels import platform, top_k_top_p as dispatcher
+from specjax.kernels import top_k_top_p as dispatcher
+from specjax.kernels.policy import KernelPolicy, has_kernels
 from specjax.kernels.top_k_top_p_reference import from_ordered_keys, keep_mask_reference, ordered_keys
 from specjax.kernels.top_k_top_p_triton import SearchConfig, keep_mask_triton
+from specjax.parallel.mesh import traced_with
 
 # Small chunks and blocks, so that a small vocabulary still spans several programs and steps per row.
 SMALL = SearchConfig(max_chunks=4, block=32)
@@ -118,34 +120,40 @@ def fake_device(platform, capability=None):
     return types.SimpleNamespace(platform=platform, compute_capability=capability)
 
 
-def chosen(monkeypatch, device, shape, impl="auto"):
-    """What keep_mask runs for logits of `shape` on `device`: None (the sort) or the search's SearchConfig."""
-    monkeypatch.setattr(dispatcher.jax, "devices", lambda: [device])
-    monkeypatch.setattr(dispatcher, "keep_mask_triton", lambda *args, config, **kwargs: config)
-    monkeypatch.setattr(dispatcher, "keep_mask_reference", lambda *args: None)
-    logits = jax.ShapeDtypeStruct(shape, jnp.float32)
-    return dispatcher.keep_mask(logits, jnp.zeros((1,), jnp.int32), jnp.ones((1,)), impl=impl)
+def chosen(device, shape, impl="auto"):
+    """What keep_mask runs for logits of `shape` under a policy for `device`: None (the sort) or the search's
+    SearchConfig; the traced program must contain the kernel exactly when the search is chosen."""
+    kernels = KernelPolicy(impl=impl, device=device)
+    elements = dispatcher.batch_elements(shape)
+    lead = shape[:-1] + (1,)
+
+    def keep(logits):
+        return dispatcher.keep_mask(logits, jnp.zeros(lead, jnp.int32), jnp.ones(lead), kernels=kernels)
+
+    program = str(jax.make_jaxpr(keep)(jax.ShapeDtypeStruct(shape, jnp.float32)))
+    assert ("pallas_call" in program) == kernels.use_search(elements)
+    return dispatcher.search_config(kernels, elements) if kernels.use_search(elements) else None
 
 
-def test_dispatcher_searches_on_ampere_and_newer_for_large_batches(monkeypatch):
+def test_dispatcher_searches_on_ampere_and_newer_for_large_batches():
     h200 = fake_device("gpu", "9.0")
-    assert chosen(monkeypatch, h200, (1, 128256)) is None                  # batch 1: the sort
-    assert chosen(monkeypatch, h200, (1, 5, 128256)) is None               # and its verify step alike
-    assert chosen(monkeypatch, h200, (8, 128256)) == SearchConfig()
-    assert chosen(monkeypatch, h200, (8, 5, 128256)) == SearchConfig()
-    assert chosen(monkeypatch, h200, (64, 128256)) == dispatcher.LARGE_BATCH_CONFIG
-    assert chosen(monkeypatch, h200, (2, 49152)) is None
-    assert chosen(monkeypatch, h200, (3, 49152)) == SearchConfig()
-    assert chosen(monkeypatch, fake_device("gpu", "7.5"), (64, 128256)) is None      # T4
-    assert chosen(monkeypatch, fake_device("cpu"), (64, 128256)) is None
-    assert chosen(monkeypatch, fake_device("cpu"), (1, 100), impl="triton") == SearchConfig()
-    assert chosen(monkeypatch, h200, (64, 128256), impl="reference") is None
+    assert chosen(h200, (1, 128256)) is None                  # batch 1: the sort
+    assert chosen(h200, (1, 5, 128256)) is None               # and its verify step alike
+    assert chosen(h200, (8, 128256)) == SearchConfig()
+    assert chosen(h200, (8, 5, 128256)) == SearchConfig()
+    assert chosen(h200, (64, 128256)) == dispatcher.LARGE_BATCH_CONFIG
+    assert chosen(h200, (2, 49152)) is None
+    assert chosen(h200, (3, 49152)) == SearchConfig()
+    assert chosen(fake_device("gpu", "7.5"), (64, 128256)) is None      # T4
+    assert chosen(fake_device("cpu"), (64, 128256)) is None
+    assert chosen(fake_device("cpu"), (1, 100), impl="triton") == SearchConfig()
+    assert chosen(h200, (64, 128256), impl="reference") is None
 
 
-def test_dispatcher_leaves_tensor_parallel_logits_to_the_sort(monkeypatch):
+def test_dispatcher_leaves_tensor_parallel_logits_to_the_sort():
     two_devices = types.SimpleNamespace(mesh=types.SimpleNamespace(size=2))
-    monkeypatch.setattr(platform, "current_layout", lambda: two_devices)
-    assert chosen(monkeypatch, fake_device("gpu", "9.0"), (64, 128256), impl="triton") is None
+    with traced_with(two_devices):
+        assert chosen(fake_device("gpu", "9.0"), (64, 128256), impl="triton") is None
 
 
 def test_search_config_names_a_wrong_radix():
@@ -154,26 +162,28 @@ def test_search_config_names_a_wrong_radix():
 
 
 def test_dispatcher_names_a_wrong_impl():
-    with pytest.raises(ValueError, match="impl='cuda'"):
-        dispatcher.keep_mask(jnp.zeros((1, 4)), jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1)), impl="cuda")
+    with pytest.raises(ValueError, match="impl must be one of .* got 'cuda'"):
+        dispatcher.keep_mask(jnp.zeros((1, 4)), jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1)),
+                             kernels=KernelPolicy(impl="cuda"))
 
 
-def test_sampling_filters_through_the_dispatcher_inside_jit(monkeypatch):
-    """processed_probs under jit with the search chosen: the kept set is the sort's."""
+def test_sampling_filters_through_the_dispatcher_inside_jit():
+    """processed_probs under jit with the search chosen by the policy: the kept set is the sort's."""
     from specjax.engine import sampling
     logits = jnp.asarray(np.random.default_rng(2).gumbel(size=(3, 400)), jnp.float32)
     params = (jnp.ones(3), jnp.array([0, 30, 0], jnp.int32), jnp.array([0.9, 1.0, 0.5]), jnp.zeros(3))
     expected = np.asarray(jax.jit(sampling.processed_probs)(logits, *params)) > 0
-    searched = []
-    monkeypatch.setattr(dispatcher, "_use_search", lambda *_: True)
-    monkeypatch.setattr(dispatcher, "keep_mask_triton", lambda *args, **kwargs: searched.append(1) or
-                        keep_mask_triton(*args, **{**kwargs, "interpret": True, "config": SMALL}))
-    kept = np.asarray(jax.jit(lambda *a: sampling.processed_probs(*a))(logits, *params)) > 0   # a new trace
-    assert searched
+    searching = KernelPolicy(interpret=True, search_min_elements=1)
+
+    def probs(*args):
+        return sampling.processed_probs(*args, kernels=searching)
+
+    assert "pallas_call" in str(jax.make_jaxpr(probs)(logits, *params))
+    kept = np.asarray(jax.jit(probs)(logits, *params)) > 0
     np.testing.assert_array_equal(kept, expected)
 
 
-@pytest.mark.skipif(platform.choose_impl(jax.devices()[0]) != "triton", reason="needs an NVIDIA sm_80+ GPU")
+@pytest.mark.skipif("not has_kernels(jax.devices()[0])", reason="needs an NVIDIA sm_80+ GPU")
 @pytest.mark.parametrize("config", [SearchConfig(), dispatcher.LARGE_BATCH_CONFIG], ids=["4bit", "2bit"])
 @pytest.mark.parametrize("vocab", [49152, 128256])
 def test_compiled_search_keeps_what_the_sort_keeps_on_the_gpu(vocab, config):

@@ -11,13 +11,14 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from specjax.engine import sampling
 from specjax.engine.proposers.base import Proposer, TargetPass
 from specjax.engine.rejection import rejection_sample
 from specjax.engine.state import LoopState, RowParams, SpecCounters
-from specjax.models.kv_cache import init_cache
-from specjax.parallel import gather_vocab
+from specjax.parallel.mesh import gather_vocab
+from specjax.parallel.sharded_loop import sharded_generate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,11 +30,13 @@ class LoopSpec:
     greedy: bool = False        # every row greedy: argmax only (no distributions, draws or batch-wide cond)
 
 
-def build_generate(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpec) -> Callable:
+def build_generate(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpec, *,
+                   mesh: Mesh | None = None) -> Callable:
     """A pure function (target_state, draft_state, prompt_tokens [B,P], prompt_lengths [B], rows, cache_len,
-    synthetic_rates=None) -> final LoopState. `cache_len` is static: the wave's KV/token buffer length.
-    `synthetic_rates` (f32 [k], benchmarks only) replaces verification by acceptance at those conditional
-    rates; it is an argument rather than part of the spec so that sweeping rates does not recompile."""
+    synthetic_rates=None) -> final LoopState, run tensor-parallel over `mesh` when given (the states placed
+    on it). `cache_len` is static: the wave's KV/token buffer length (shapes.buffer_len). `synthetic_rates`
+    (f32 [k], benchmarks only) replaces verification by acceptance at those conditional rates; it is an
+    argument rather than part of the spec so that sweeping rates does not recompile."""
 
     def generate(target_state, draft_state, prompt_tokens, prompt_lengths, rows: RowParams, cache_len: int,
                  synthetic_rates: jax.Array | None = None):
@@ -43,7 +46,17 @@ def build_generate(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpe
             step = _step_fn(target, proposer, draft_state, rows, spec, synthetic_rates)
             return jax.lax.while_loop(lambda s: jnp.any(~s.done), step, state)
 
-    return generate
+    return generate if mesh is None else sharded_generate(generate, mesh)
+
+
+def jit_generate(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpec, *, mesh: Mesh | None = None,
+                 compiler_options: dict[str, str] | None = None) -> Callable:
+    """build_generate's function jitted as every caller runs it (runner, recording, benchmarks; the functional
+    core hands the unjitted one to the user's jit): `cache_len` static, compiled with loop_compiler_options()
+    unless other options are given."""
+    options = loop_compiler_options() if compiler_options is None else compiler_options
+    return jax.jit(build_generate(target_graph, proposer, spec, mesh=mesh), static_argnums=(5,),
+                   compiler_options=options)
 
 
 def loop_compiler_options() -> dict[str, str]:
@@ -66,15 +79,14 @@ def _exact_matmuls(dtype) -> contextlib.AbstractContextManager:
 
 def _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec) -> LoopState:
     B, P = prompt_tokens.shape
-    cfg = target.cfg
-    cache = init_cache(cfg, B, cache_len, target.embed[...].dtype)
+    cache = target.init_cache(B, cache_len)
     start = jnp.zeros((B,), jnp.int32)
     hidden, cache, aux = target(prompt_tokens, start, cache, capture_layers=proposer.capture_layers, fresh=True)
     last_hidden = hidden[jnp.arange(B), prompt_lengths - 1][:, None]  # [B, 1, H]
     raw_logits = gather_vocab(target.logits(last_hidden))
     logits = _mask_stop_ids(raw_logits, rows, generated=jnp.zeros((B,), jnp.int32))
     first = sampling.sample(logits[:, 0], rows.temperature, rows.top_k, rows.top_p, rows.min_p,
-                            rows.seed, prompt_lengths, greedy_only=spec.greedy, filter_impl=target.attention_impl)
+                            rows.seed, prompt_lengths, greedy_only=spec.greedy, kernels=target.kernels)
     tokens = jnp.zeros((B, cache_len), jnp.int32).at[:, :P].set(prompt_tokens)
     state = LoopState(
         tokens=tokens, lengths=prompt_lengths, prompt_lengths=prompt_lengths,
@@ -106,7 +118,7 @@ def _step_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
         raw_logits = gather_vocab(target.logits(hidden))  # [B, k+1, V]
         logits = _mask_stop_ids(raw_logits, rows, generated=state.lengths - state.prompt_lengths)
         out, accepted = _verify(logits, drafts, draft_probs, rows, state.lengths, spec, synthetic_rates,
-                                target.attention_impl)
+                                target.kernels)
         active = ~state.done
         state = dataclasses.replace(state, cache=cache, proposer=proposer_state,
                                     counters=_count(state.counters, drafts, accepted, active),
@@ -123,16 +135,16 @@ def _observe(proposer: Proposer, draft_state, state: LoopState, target: TargetPa
     return dataclasses.replace(state, proposer=carry)
 
 
-def _verify(logits, drafts, draft_probs, rows: RowParams, position, spec: LoopSpec, synthetic_rates, impl):
-    """Output tokens [B, k+1] and accepted counts; with k = 0 this is plain sampling. impl: the target's
-    kernel choice, which the sampling filters follow."""
+def _verify(logits, drafts, draft_probs, rows: RowParams, position, spec: LoopSpec, synthetic_rates, kernels):
+    """Output tokens [B, k+1] and accepted counts; with k = 0 this is plain sampling. kernels: the target's
+    kernel policy, which the sampling filters follow."""
     if spec.k == 0:
         token = sampling.sample(logits[:, 0], rows.temperature, rows.top_k, rows.top_p, rows.min_p,
-                                rows.seed, position, greedy_only=spec.greedy, filter_impl=impl)
+                                rows.seed, position, greedy_only=spec.greedy, kernels=kernels)
         return token[:, None], jnp.zeros_like(position)
     return rejection_sample(logits, drafts, draft_probs, rows.temperature, rows.top_k, rows.top_p,
                             rows.min_p, rows.seed, position, synthetic_rates=synthetic_rates,
-                            greedy_only=spec.greedy, filter_impl=impl)
+                            greedy_only=spec.greedy, kernels=kernels)
 
 
 def _budget(state: LoopState, rows: RowParams, spec: LoopSpec) -> jax.Array:
@@ -174,9 +186,7 @@ def _commit(state: LoopState, out: jax.Array, candidates: jax.Array, raw_logits:
     n_emit = jnp.minimum(jnp.minimum(candidates, first_stop + 1), budget)
     slots = jnp.where(idx < n_emit[:, None], state.lengths[:, None] + idx, state.tokens.shape[1])  # OOB = drop
     rows_idx = jnp.arange(B)[:, None]
-    logp = jax.nn.log_softmax(raw_logits, axis=-1)
-    chosen = jnp.take_along_axis(logp, jnp.maximum(out, 0)[..., None], axis=-1)[..., 0]
-    top_lp, top_ids = jax.lax.top_k(logp, spec.n_top)
+    chosen, top_ids, top_lp = sampling.token_logprobs(raw_logits, out, spec.n_top)
     return dataclasses.replace(
         state,
         tokens=state.tokens.at[rows_idx, slots].set(out, mode="drop"),

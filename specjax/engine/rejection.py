@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from specjax.engine.sampling import (ACCEPT, RECOVER, SAMPLE, is_greedy, processed_probs,
                                      row_key, sample_from_probs, uniform)
-from specjax.kernels.platform import Impl
+from specjax.kernels.policy import KernelPolicy
 
 NO_TOKEN = -1
 
@@ -95,7 +95,7 @@ def rejection_sample(target_logits: jax.Array, draft_tokens: jax.Array,
                      draft_probs: jax.Array | None, temperature: jax.Array, top_k: jax.Array,
                      top_p: jax.Array, min_p: jax.Array, seed: jax.Array, position: jax.Array,
                      synthetic_rates: jax.Array | None = None, greedy_only: bool = False,
-                     filter_impl: Impl = "auto") -> tuple[jax.Array, jax.Array]:
+                     kernels: KernelPolicy = KernelPolicy()) -> tuple[jax.Array, jax.Array]:
     """Verify K drafts per row; return (out_tokens [B, K+1] int32, num_accepted [B] int32).
 
     target_logits [B, K+1, V] f32: the target's logits at output slots 0..K.
@@ -108,7 +108,7 @@ def rejection_sample(target_logits: jax.Array, draft_tokens: jax.Array,
     Out slots 0..num_accepted-1 hold the accepted drafts, slot num_accepted the
     recovered / bonus token, later slots -1.
     greedy_only (static): every row is greedy; the target's distribution is then never built.
-    filter_impl (static): the top-k / top-p dispatcher's impl (sampling.processed_probs).
+    kernels (static): the target's kernel policy, which the top-k / top-p filters follow.
     """
     _check_shapes(target_logits, draft_tokens, draft_probs, synthetic_rates)
     batch, k = draft_tokens.shape
@@ -130,7 +130,7 @@ def rejection_sample(target_logits: jax.Array, draft_tokens: jax.Array,
         num_accepted = _accepted_prefix_length(greedy_accepts)
         return _emit(drafts, num_accepted, _gather_slot(target_argmax, num_accepted)), num_accepted
 
-    target_probs = processed_probs(target_logits, temperature, top_k, top_p, min_p, filter_impl)
+    target_probs = processed_probs(target_logits, temperature, top_k, top_p, min_p, kernels)
     if synthetic_rates is None:
         random_accepts = _standard_accepts(target_probs, drafts, has_draft, draft_probs, u)
     else:

@@ -10,13 +10,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from specjax.engine.loop import LoopSpec, build_generate, loop_compiler_options
+from specjax.config import EngineConfig, SpeculativeConfig
+from specjax.engine.loop import LoopSpec, jit_generate
 from specjax.engine.proposers.base import Proposer
-from specjax.engine.sampling import GREEDY_TEMPERATURE_EPS
+from specjax.engine.rows import row_params
 from specjax.engine.shapes import MIN_PROMPT_BUCKET, bucket, buffer_len
 from specjax.engine.state import LoopState, RowParams
-from specjax.parallel import sharded_generate
-from specjax.sampling_params import SamplingParams, to_row_arrays
+from specjax.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams, to_row_arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,84 +40,77 @@ class RowResult:
 
 class WaveRunner:
     def __init__(self, target_graph: nnx.GraphDef, target_state: Any, proposer: Proposer, draft_state: Any,
-                 *, max_num_seqs: int, max_model_len: int, eos_token_ids: Sequence[int], vocab_size: int,
-                 seed: int, synthetic_rates: tuple[float, ...] | None = None, mesh: Mesh | None = None):
-        """mesh: run each wave tensor-parallel over it (the states already placed on it); None: one device."""
+                 config: EngineConfig, *, eos_token_ids: Sequence[int], vocab_size: int, mesh: Mesh | None = None):
+        """config: the resolved engine config (max_num_seqs, max_model_len, seed, speculative). mesh: run each
+        wave tensor-parallel over it (the states already placed on it); None: one device."""
         self.target_graph, self.target_state = target_graph, target_state
         self.proposer, self.draft_state = proposer, draft_state
-        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
-        self.eos_token_ids, self.vocab_size, self.seed = tuple(eos_token_ids), vocab_size, seed
-        self.synthetic_rates = None if synthetic_rates is None else np.asarray(synthetic_rates, np.float32)
+        self.config = config
+        self.eos_token_ids, self.vocab_size = tuple(eos_token_ids), vocab_size
+        self.synthetic_rates = synthetic_rates(config.speculative)
         self.mesh = mesh
         self._compiled: dict[tuple[int, bool], Any] = {}
 
     def waves(self, requests: Sequence[Request]) -> Iterator[list[Request]]:
-        for i in range(0, len(requests), self.max_num_seqs):
-            yield list(requests[i:i + self.max_num_seqs])
+        step = self.config.max_num_seqs
+        for i in range(0, len(requests), step):
+            yield list(requests[i:i + step])
 
     def run_wave(self, wave: Sequence[Request]) -> list[RowResult]:
         n_top = max((_num_top(r.params, self.vocab_size) for r in wave), default=0)
         prompts, lengths, rows, cache_len = self._pack(wave)
         greedy = bool(np.all(rows.temperature < GREEDY_TEMPERATURE_EPS))
-        state = self._generate_fn(n_top, greedy)(self.target_state, self.draft_state, prompts, lengths, rows,
-                                                 cache_len, self.synthetic_rates)
+        state = self.generate_fn(n_top, greedy)(self.target_state, self.draft_state, prompts, lengths, rows,
+                                                cache_len, self.synthetic_rates)
         # Only what the host reads: the KV caches stay on device (and are not addressable from one process
         # when the mesh spans hosts).
         return _unpack(jax.device_get(dataclasses.replace(state, cache=None, proposer=None)), len(wave))
 
-    def _generate_fn(self, n_top: int, greedy: bool):
+    def generate_fn(self, n_top: int, greedy: bool):
         """One jitted function per (n_top, all rows greedy); jit itself caches one executable per shape
         bucket."""
         if (n_top, greedy) not in self._compiled:
-            spec = LoopSpec(k=self.proposer.k, n_top=n_top, max_model_len=self.max_model_len, greedy=greedy)
-            generate = build_generate(self.target_graph, self.proposer, spec)
-            if self.mesh is not None:
-                generate = sharded_generate(generate, self.mesh)
-            self._compiled[n_top, greedy] = jax.jit(generate, static_argnums=(5,),
-                                                    compiler_options=loop_compiler_options())
+            spec = LoopSpec(k=self.proposer.k, n_top=n_top, max_model_len=self.config.max_model_len, greedy=greedy)
+            self._compiled[n_top, greedy] = jit_generate(self.target_graph, self.proposer, spec, mesh=self.mesh)
         return self._compiled[n_top, greedy]
 
     def _pack(self, wave: Sequence[Request]) -> tuple[np.ndarray, np.ndarray, RowParams, int]:
-        B = min(bucket(len(wave)), self.max_num_seqs)
+        max_len = self.config.max_model_len
+        B = min(bucket(len(wave)), self.config.max_num_seqs)
         longest = max(len(r.prompt_token_ids) for r in wave)
-        P = min(bucket(longest, MIN_PROMPT_BUCKET), self.max_model_len)
+        P = min(bucket(longest, MIN_PROMPT_BUCKET), max_len)
         most_new = max(self._max_new(r) for r in wave)
-        cache_len = buffer_len(P, longest, most_new, self.proposer.k, self.max_model_len)
+        cache_len = buffer_len(P, longest, most_new, self.proposer.k, max_len)
         prompts = np.zeros((B, P), np.int32)
         lengths = np.ones((B,), np.int32)  # padding rows: a one-token prompt that generates nothing
         for i, r in enumerate(wave):
             prompts[i, :len(r.prompt_token_ids)] = r.prompt_token_ids
             lengths[i] = len(r.prompt_token_ids)
         params = [r.params for r in wave] + [SamplingParams(temperature=0.0)] * (B - len(wave))
-        arrays = to_row_arrays(params, self.vocab_size, base_seed=self.seed)
-        seeds = arrays.seed.copy()
-        for i, r in enumerate(wave):  # unseeded requests: distinct per request across waves
-            if r.params.seed is None:
-                seeds[i] = to_row_arrays([r.params], self.vocab_size, base_seed=self.seed + r.seed_index).seed[0]
-        max_tokens = np.zeros((B,), np.int32)
-        max_tokens[:len(wave)] = [self._max_new(r) for r in wave]
-        min_tokens = np.zeros((B,), np.int32)
-        min_tokens[:len(wave)] = [r.params.min_tokens for r in wave]
-        rows = RowParams(temperature=arrays.temperature, top_k=arrays.top_k, top_p=arrays.top_p,
-                         min_p=arrays.min_p, seed=seeds, max_tokens=max_tokens, min_tokens=min_tokens,
-                         stop_ids=self._stop_ids(wave, B))
+        max_tokens = [self._max_new(r) for r in wave] + [0] * (B - len(wave))
+        rows = row_params(params, vocab_size=self.vocab_size, max_tokens=max_tokens,
+                          eos_token_ids=self.eos_token_ids, seeds=self._seeds(wave, params))
         # Host arrays: jit places them on the mesh (under jax.distributed every process passes the same).
-        return prompts, lengths, jax.tree.map(np.asarray, rows), cache_len
+        return prompts, lengths, rows, cache_len
+
+    def _seeds(self, wave: Sequence[Request], params: Sequence[SamplingParams]) -> np.ndarray:
+        """Each row's seed: the request's own, else one mixed from the engine seed and the request's index,
+        so unseeded requests differ across waves."""
+        seeds = to_row_arrays(params, self.vocab_size, base_seed=self.config.seed).seed.copy()
+        for i, r in enumerate(wave):
+            if r.params.seed is None:
+                seeds[i] = to_row_arrays([r.params], self.vocab_size, base_seed=self.config.seed + r.seed_index).seed[0]
+        return seeds
 
     def _max_new(self, r: Request) -> int:
-        room = self.max_model_len - len(r.prompt_token_ids)
+        room = self.config.max_model_len - len(r.prompt_token_ids)
         return room if r.params.max_tokens is None else min(r.params.max_tokens, room)
 
-    def _stop_ids(self, wave: Sequence[Request], B: int) -> np.ndarray:
-        per_row = [self.row_stop_ids(r.params) for r in wave]
-        stop_ids = np.full((B, bucket(max(len(s) for s in per_row))), -1, np.int32)
-        for i, ids in enumerate(per_row):
-            stop_ids[i, :len(ids)] = ids
-        return stop_ids
 
-    def row_stop_ids(self, params: SamplingParams) -> list[int]:
-        eos = [] if params.ignore_eos else list(self.eos_token_ids)
-        return sorted(set(eos) | set(params.stop_token_ids or []))
+def synthetic_rates(spec: SpeculativeConfig | None) -> np.ndarray | None:
+    """The conditional acceptance rates of synthetic rejection (benchmarks), as the loop takes them."""
+    rates = None if spec is None else spec.synthetic_rates()
+    return None if rates is None else np.asarray(rates, np.float32)
 
 
 def _num_top(params: SamplingParams, vocab_size: int) -> int:

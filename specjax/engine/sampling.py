@@ -15,18 +15,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax.kernels.platform import Impl
+from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.top_k_top_p import keep_mask
+from specjax.sampling_params import GREEDY_TEMPERATURE_EPS
 
 # Purposes keep the streams of one (seed, position) apart.
 SAMPLE = 0  # a token drawn from the target distribution p (plain decoding, bonus slot)
 ACCEPT = 1  # the uniform u that decides whether a draft token is accepted
 RECOVER = 2  # the token drawn from max(p - q, 0) after a rejection
 DRAFT = 3  # a token drawn by a probabilistic drafter from its own q
-BONUS = 4  # reserved for proposers that need a second independent stream
-
-# vLLM treats temperatures below this as greedy (argmax).
-GREEDY_TEMPERATURE_EPS = 1e-5
 
 
 def row_key(seed: jax.Array, position: jax.Array, purpose: int | jax.Array) -> jax.Array:
@@ -73,15 +70,15 @@ def _min_p_mask(logits: jax.Array, min_p: jax.Array) -> jax.Array:
 
 
 def processed_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                    top_p: jax.Array, min_p: jax.Array, filter_impl: Impl = "auto") -> jax.Array:
+                    top_p: jax.Array, min_p: jax.Array, kernels: KernelPolicy = KernelPolicy()) -> jax.Array:
     """The distribution a row samples from, in vLLM's order: temperature, min-p, top-k, top-p.
 
     logits: [..., V] (leading [B] or [B, T]); parameters: [B] or [B, T].
     top_k <= 0 or >= V, top_p >= 1 and min_p <= 0 switch a filter off. Greedy rows
     (temperature < 1e-5) get the one-hot of the first maximal raw logit.
     Top-k / top-p (specjax.kernels.top_k_top_p: a radix search on GPUs from batch 2-3, else a sort) run only
-    when some row of the batch uses one (a batch-wide lax.cond; under vmap both branches run). filter_impl
-    (static): their dispatcher's impl, the engine's attention_impl.
+    when some row of the batch uses one (a batch-wide lax.cond; under vmap both branches run). kernels
+    (static): the model's kernel policy, which their dispatcher follows.
     """
     logits = jnp.asarray(logits, jnp.float32)
     greedy = _per_row(is_greedy(temperature), logits, bool)
@@ -96,7 +93,7 @@ def processed_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     needs_filter = jnp.any(~greedy & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)))
     keep = lax.cond(
         needs_filter,
-        lambda: keep_mask(scaled, top_k, top_p, impl=filter_impl),
+        lambda: keep_mask(scaled, top_k, top_p, kernels=kernels),
         lambda: jnp.ones(scaled.shape, bool),
     )
     scaled = jnp.where(keep, scaled, -jnp.inf)
@@ -119,17 +116,17 @@ def sample_from_probs(probs: jax.Array, keys: jax.Array) -> jax.Array:
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
            min_p: jax.Array, seed: jax.Array, position: jax.Array,
-           purpose: int = SAMPLE, greedy_only: bool = False, filter_impl: Impl = "auto") -> jax.Array:
+           purpose: int = SAMPLE, greedy_only: bool = False, kernels: KernelPolicy = KernelPolicy()) -> jax.Array:
     """Next token per row: argmax for greedy rows, a keyed draw from processed_probs otherwise.
 
     logits: [B, V] (or [B, T, V] with position [B, T]); position: the absolute position
     of the token being chosen. Returns int32 [B] (or [B, T]). greedy_only (static): the caller knows
     every row is greedy, so only the argmax is computed (no distribution, no draws, no batch-wide cond).
-    filter_impl (static): as in processed_probs.
+    kernels (static): as in processed_probs.
     """
     if greedy_only:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    probs = processed_probs(logits, temperature, top_k, top_p, min_p, filter_impl)
+    probs = processed_probs(logits, temperature, top_k, top_p, min_p, kernels)
     drawn = sample_from_probs(probs, row_key(seed, position, purpose))
     greedy = _per_row(is_greedy(temperature), drawn, bool)
     return jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
@@ -139,14 +136,11 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array,
                    num_top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Raw log-softmax logprobs (vLLM's default): of `tokens`, and the top `num_top`.
 
-    logits: [..., V]; tokens: int [...]. Returns (chosen [...] f32,
+    logits: [..., V]; tokens: int [...] (negative ids read token 0). Returns (chosen [...] f32,
     top_ids [..., num_top] int32, top_values [..., num_top] f32), best first.
     """
     logprobs = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logprobs, jnp.asarray(tokens, jnp.int32)[..., None],
+    chosen = jnp.take_along_axis(logprobs, jnp.maximum(jnp.asarray(tokens, jnp.int32), 0)[..., None],
                                  axis=-1)[..., 0]
-    if num_top == 0:
-        empty = logprobs.shape[:-1] + (0,)
-        return chosen, jnp.zeros(empty, jnp.int32), jnp.zeros(empty, jnp.float32)
     top_values, top_ids = lax.top_k(logprobs, num_top)
     return chosen, top_ids.astype(jnp.int32), top_values

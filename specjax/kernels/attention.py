@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from specjax.kernels.attention_reference import attention_reference
 from specjax.kernels.attention_triton import KernelConfig, attention_triton, unsupported_reason
-from specjax.kernels.platform import IMPLS, Impl, choose_impl
-from specjax.parallel import Layout, current_layout, shards_kv_heads
+from specjax.kernels.policy import KernelPolicy
+from specjax.parallel.mesh import Layout, current_layout, shards_kv_heads
 
 
 def attention(
@@ -27,19 +27,18 @@ def attention(
     start: jax.Array,
     *,
     scale: float,
-    impl: Impl = "auto",
-    interpret: bool = False,
+    kernels: KernelPolicy = KernelPolicy(),
     config: KernelConfig | None = None,
 ) -> jax.Array:
     """Causal GQA attention of q [B,T,Hq,D] against layer `layer` of k/v caches [L,B,Hkv,S,D].
 
     Query t of row b sits at absolute position start[b] + t and sees slots <= start[b] + t
-    (its K/V already written). Returns [B,T,Hq,D] in q.dtype; softmax in fp32.
-    `interpret=True` runs the Triton kernel in Pallas interpret mode (CPU tests).
+    (its K/V already written). Returns [B,T,Hq,D] in q.dtype; softmax in fp32. `kernels` chooses the
+    implementation (`choose_attention`); `config` overrides the kernel's launch parameters.
     """
-    _check_inputs(q, k_cache, v_cache, layer, start, scale, impl)
-    chosen = _resolve_impl(impl, interpret, q.shape, k_cache.shape)
-    run = _runner(chosen, scale, interpret, config)
+    _check_inputs(q, k_cache, v_cache, layer, start, scale)
+    chosen = choose_attention(kernels, q.shape, k_cache.shape)
+    run = _runner(chosen, scale, kernels.interpret, config)
     layout = current_layout()
     if layout is None or layout.mesh.size == 1:
         return run(q, k_cache, v_cache, layer, start)
@@ -91,24 +90,22 @@ def _own_kv_head(k_cache, v_cache, layer, head_axis: str, shards_per_kv_head: in
     return take(k_cache), take(v_cache), jnp.zeros((), jnp.int32)
 
 
-def _resolve_impl(impl: Impl, interpret: bool, q_shape: tuple[int, ...],
-                  cache_shape: tuple[int, ...]) -> Literal["reference", "triton"]:
-    """The implementation to run: explicit choice, else the kernel where it runs and fits."""
+def choose_attention(kernels: KernelPolicy, q_shape: tuple[int, ...],
+                     cache_shape: tuple[int, ...]) -> Literal["reference", "triton"]:
+    """The implementation to run: the policy's explicit choice, else the kernel where it runs and fits.
+    Unlike the single-device kernels, attention keeps the kernel under tensor parallelism (per shard)."""
     reason = unsupported_reason(q_shape, cache_shape)
-    if impl == "triton":
+    if kernels.impl == "triton":
         if reason is not None:
-            raise ValueError(f"attention(impl='triton'): {reason}; use impl='auto' or 'reference'")
+            raise ValueError(f"attention with impl='triton': {reason}; use impl='auto' or 'reference'")
         return "triton"
-    if impl == "reference":
+    if kernels.impl == "reference" or reason is not None:
         return "reference"
-    wanted = "triton" if interpret else choose_impl(jax.devices()[0])
-    return "reference" if reason is not None else wanted
+    return "triton" if kernels.interpret or kernels.device_has_kernels() else "reference"
 
 
-def _check_inputs(q, k_cache, v_cache, layer, start, scale, impl) -> None:
+def _check_inputs(q, k_cache, v_cache, layer, start, scale) -> None:
     """Raise a clear error for inconsistent inputs before anything is compiled."""
-    if impl not in IMPLS:
-        raise ValueError(f"attention: impl={impl!r} is not one of {IMPLS}")
     if not isinstance(scale, (int, float)):
         raise TypeError(f"attention: scale must be a Python float (static), got {type(scale).__name__}")
     if q.ndim != 4:

@@ -25,8 +25,10 @@ def attention_reference(
     start: jax.Array,
     *,
     scale: float,
+    query_chunk: int = QUERY_CHUNK,
 ) -> jax.Array:
-    """Causal GQA attention of q [B,T,Hq,D] against layer `layer` of a [L,B,Hkv,S,D] cache."""
+    """Causal GQA attention of q [B,T,Hq,D] against layer `layer` of a [L,B,Hkv,S,D] cache, queries taken
+    `query_chunk` at a time."""
     k = lax.dynamic_index_in_dim(k_cache, layer, axis=0, keepdims=False)
     v = lax.dynamic_index_in_dim(v_cache, layer, axis=0, keepdims=False)
     num_tokens = q.shape[1]
@@ -35,9 +37,9 @@ def attention_reference(
     # zero them so that a zero probability times garbage cannot poison the sum.
     written = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :] < (start + num_tokens)[:, None]
     v = jnp.where(written[:, None, :, None], v, jnp.zeros((), v.dtype))
-    if num_tokens <= QUERY_CHUNK:
+    if num_tokens <= query_chunk:
         return _attend(q, k, v, start, scale)
-    return _attend_in_chunks(q, k, v, start, scale)
+    return _attend_in_chunks(q, k, v, start, scale, query_chunk)
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, first_position: jax.Array,
@@ -59,18 +61,18 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, first_position: jax.Array,
 
 
 def _attend_in_chunks(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
-                      scale: float) -> jax.Array:
-    """_attend over consecutive query chunks of QUERY_CHUNK tokens (long prefill)."""
+                      scale: float, query_chunk: int) -> jax.Array:
+    """_attend over consecutive query chunks of query_chunk tokens (long prefill)."""
     batch, num_tokens, num_q_heads, head_dim = q.shape
-    num_chunks = -(-num_tokens // QUERY_CHUNK)
-    padded = jnp.pad(q, ((0, 0), (0, num_chunks * QUERY_CHUNK - num_tokens), (0, 0), (0, 0)))
-    chunks = padded.reshape(batch, num_chunks, QUERY_CHUNK, num_q_heads, head_dim).swapaxes(0, 1)
-    offsets = jnp.arange(num_chunks, dtype=jnp.int32) * QUERY_CHUNK
+    num_chunks = -(-num_tokens // query_chunk)
+    padded = jnp.pad(q, ((0, 0), (0, num_chunks * query_chunk - num_tokens), (0, 0), (0, 0)))
+    chunks = padded.reshape(batch, num_chunks, query_chunk, num_q_heads, head_dim).swapaxes(0, 1)
+    offsets = jnp.arange(num_chunks, dtype=jnp.int32) * query_chunk
 
     def attend_chunk(chunk_and_offset):
         chunk, offset = chunk_and_offset
         return _attend(chunk, k, v, start + offset, scale)
 
     out = lax.map(attend_chunk, (chunks, offsets))
-    out = out.swapaxes(0, 1).reshape(batch, num_chunks * QUERY_CHUNK, num_q_heads, head_dim)
+    out = out.swapaxes(0, 1).reshape(batch, num_chunks * query_chunk, num_q_heads, head_dim)
     return out[:, :num_tokens]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from checkpoints_conv.fused_columns import split_columns
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -19,11 +18,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def swiglu(gate_up: jax.Array) -> jax.Array:
-    """silu(gate) * up of a fused gate/up product [..., 2I] (columns interleaved one by one:
-    checkpoints_conv.fused_columns)."""
-    intermediate = gate_up.shape[-1] // 2
-    gate, up = split_columns(gate_up, (intermediate, intermediate), intermediate)
-    return jax.nn.silu(gate) * up
+    """silu(gate) * up of a fused gate/up product [..., 2I] whose columns come in (gate j, up j) pairs, the
+    order the model families fuse them in."""
+    pairs = gate_up.reshape(*gate_up.shape[:-1], gate_up.shape[-1] // 2, 2)
+    return jax.nn.silu(pairs[..., 0]) * pairs[..., 1]
 
 
 def output_features(w: jax.Array, activation: str | None) -> int:

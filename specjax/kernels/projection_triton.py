@@ -10,7 +10,7 @@ residual add) in one launch:
 - the reduction dimension is read in chunks of 256, software-pipelined so that several are in flight;
 - with a norm, a first pass over the program's rows sums their squares (the rows are few: reading them
   twice costs nothing);
-- SwiGLU reads the gate and up columns (interleaved one by one, checkpoints_conv.fused_columns) as one
+- SwiGLU reads the gate and up columns (in (gate j, up j) pairs, as the model families fuse them) as one
   contiguous tile and separates the two halves of the product with exact 0/1 selection dots;
 - a row's result depends on that row alone and the tile shapes do not depend on the row count, so a token
   rounds the same in a one-token decode step and in a (k+1)-token verify pass (exact greedy speculation).

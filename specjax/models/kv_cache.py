@@ -1,4 +1,5 @@
-"""The head-major KV cache: one array per K and V, stacked over layers, slot index = absolute position."""
+"""The head-major KV cache of the Llama family (and of the heads built from its decoder layer): one array per
+K and V, stacked over layers, slot index = absolute position."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,8 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from specjax.models.model_config import ModelConfig
-from specjax.parallel import current_layout
+from specjax.parallel.mesh import Layout, current_layout, shards_kv_heads
 
 
 @jax.tree_util.register_dataclass
@@ -17,20 +17,24 @@ class KVCache:
     k: jax.Array  # [L, B, Hkv, S, D]
     v: jax.Array  # [L, B, Hkv, S, D]
 
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
+    @classmethod
+    def init(cls, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int, dtype) -> KVCache:
+        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
+    @staticmethod
+    def bytes(num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int, dtype,
+              tensor_parallel_size: int = 1) -> int:
+        """Bytes of `init`'s cache one device holds: split by kv head over tensor_parallel_size devices when
+        the kv heads divide, whole otherwise."""
+        per_tensor = num_layers * batch * num_kv_heads * max_len * head_dim * jnp.dtype(dtype).itemsize
+        shards = tensor_parallel_size if shards_kv_heads(num_kv_heads, tensor_parallel_size) else 1
+        return 2 * per_tensor // shards
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> KVCache:
-    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-
-
-def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype) -> int:
-    """Bytes init_cache would allocate, for the memory check made before allocating."""
-    per_tensor = cfg.num_layers * batch * cfg.num_kv_heads * max_len * cfg.head_dim
-    return 2 * per_tensor * jnp.dtype(dtype).itemsize
+    def specs(self, layout: Layout) -> KVCache:
+        """Split by kv head when the layout splits them, else whole on every device."""
+        spec = P(None, None, layout.kv_head_axis(self.k.shape[2]))
+        return KVCache(spec, spec)
 
 
 def write_layer(cache: jax.Array, layer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:

@@ -1,4 +1,5 @@
-"""The Llama-family causal LM (Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM2) as a Flax NNX module.
+"""The Llama family (Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM2): its config, HF weight map, partition
+rules, cache and forward pass, as one Flax NNX module and the `FAMILY` object the registry lists.
 
 Two layouts of the decoder layers' weights, one layer function for both: stacked on a leading layer axis
 and run with one `lax.scan` (compile time flat in depth; the default off GPUs), or one weight set per layer
@@ -10,54 +11,156 @@ cache and attends over it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specjax.kernels.attention import attention
+from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.prefill_attention import prefill_attention
-from specjax.kernels.projection import projection
+from specjax.models.family import ForwardAux
 from specjax.models.kv_cache import KVCache, write_layer
-from specjax.models.layers import apply_rope, qkv_projection, rms_norm, rope_inv_freq, swiglu_mlp
-from specjax.models.model_config import ModelConfig
-from specjax.parallel import pin_heads
+from specjax.models.layers import decoder_layer, rms_norm, rope_inv_freq
+from specjax.models.weight_map import LeafSpec, fused
+from specjax.parallel.mesh import shards_kv_heads
+from specjax.parallel.plan import PartitionRules
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
-def _init(rngs: nnx.Rngs, shape: Sequence[int], dtype) -> nnx.Param:
-    return nnx.Param((0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any]) -> LlamaConfig:
+        arch = (d.get("architectures") or ["LlamaForCausalLM"])[0]
+        heads = _required(d, "num_attention_heads")
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            vocab_size=_required(d, "vocab_size"),
+            hidden_size=_required(d, "hidden_size"),
+            intermediate_size=_required(d, "intermediate_size"),
+            num_layers=_required(d, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(d),
+            rope_scaling=d.get("rope_scaling") or _rope_parameters_scaling(d.get("rope_parameters")),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            # Qwen2 always has q/k/v biases; Llama/Mistral only when `attention_bias` says so.
+            attention_bias=d.get("attention_bias", arch.startswith("Qwen2")),
+            qk_norm=arch.startswith("Qwen3"),
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+        )
 
 
-def _ones(shape: Sequence[int], dtype) -> nnx.Param:
-    return nnx.Param(jnp.ones(shape, dtype))
+def _required(d: Mapping[str, Any], key: str) -> Any:
+    if key not in d:
+        raise ValueError(f"config.json has no {key!r}, which a {(d.get('architectures') or ['Llama'])[0]} "
+                         "config needs: the file is incomplete or belongs to another architecture")
+    return d[key]
 
 
-class DecoderWeights(nnx.Module):
-    """Decoder layer weights, matrices stored [in, out], q/k/v and gate/up fused
-    (checkpoints_conv.fused_columns).
-    `lead=(L,)` stacks every leaf over L layers on axis 0; `lead=()` holds one layer."""
+def _rope_theta(d: Mapping[str, Any]) -> float:
+    params = d.get("rope_parameters") or {}
+    return float(d.get("rope_theta") or params.get("rope_theta") or 10000.0)
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, lead: tuple[int, ...] = ()):
-        H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-        q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
 
-        def init(*shape):
-            return _init(rngs, lead + shape, dtype)
+def _rope_parameters_scaling(params: dict | None) -> dict | None:
+    """transformers >= 5 writes `rope_parameters`; a `default` rope type means no scaling."""
+    if not params or params.get("rope_type", "default") == "default":
+        return None
+    return dict(params)
 
-        def ones(*shape):
-            return _ones(lead + shape, dtype)
 
-        self.attn_norm, self.mlp_norm = ones(H), ones(H)
-        self.w_qkv, self.wo = init(H, q + 2 * kv), init(q, H)
-        if cfg.attention_bias:
-            self.b_qkv = init(q + 2 * kv)
-        if cfg.qk_norm:
-            self.q_norm, self.k_norm = ones(D), ones(D)
-        self.w_gate_up, self.w_down = init(H, 2 * I), init(I, H)
+# ---------------------------------------------------------------------------------------------- weights
 
-    def arrays(self) -> dict[str, jax.Array]:
-        return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
+def weight_map(cfg: LlamaConfig) -> dict[str, LeafSpec]:
+    """Tree path -> LeafSpec. q/k/v are fused with one group per kv head, gate/up with one group per
+    intermediate column; matrices are stored [in, out] and stacked over layers."""
+    L, H, I, D, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.vocab_size
+    q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
+    attn, mlp = "model.layers.{i}.self_attn", "model.layers.{i}.mlp"
+    qkv = (f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj")
+    specs = {
+        "embed": LeafSpec(("model.embed_tokens.weight",), (V, H), False),
+        "layers/attn_norm": LeafSpec(("model.layers.{i}.input_layernorm.weight",), (L, H), False),
+        "layers/mlp_norm": LeafSpec(("model.layers.{i}.post_attention_layernorm.weight",), (L, H), False),
+        "layers/w_qkv": fused([f"{n}.weight" for n in qkv], (L, H), (q, kv, kv), cfg.num_kv_heads, True),
+        "layers/wo": LeafSpec((f"{attn}.o_proj.weight",), (L, q, H), True),
+        "layers/w_gate_up": fused([f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"], (L, H), (I, I), I, True),
+        "layers/w_down": LeafSpec((f"{mlp}.down_proj.weight",), (L, I, H), True),
+        "final_norm": LeafSpec(("model.norm.weight",), (H,), False),
+    }
+    if cfg.attention_bias:
+        specs["layers/b_qkv"] = fused([f"{n}.bias" for n in qkv], (L,), (q, kv, kv), cfg.num_kv_heads, False)
+    if cfg.qk_norm:
+        specs["layers/q_norm"] = LeafSpec((f"{attn}.q_norm.weight",), (L, D), False)
+        specs["layers/k_norm"] = LeafSpec((f"{attn}.k_norm.weight",), (L, D), False)
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = LeafSpec(("lm_head.weight",), (H, V), True)
+    return specs
+
+
+def partition_rules(cfg: LlamaConfig, tensor_parallel_size: int) -> PartitionRules:
+    """Megatron-style, as vLLM: the fused q/k/v and gate/up weights column-parallel (their columns are grouped
+    by kv head and by intermediate column, so each device holds whole heads and matching gate/up columns), o
+    and down row-parallel (XLA all-reduces their outputs), embedding and lm_head split over the vocabulary,
+    norms replicated. With fewer kv heads than devices q/k/v are replicated: each device computes every head
+    and attends with its own q heads (vLLM instead gives each device its q heads and one copy of their kv
+    head). A vocabulary not divisible by tp is replicated rather than padded."""
+    kv_split = -1 if shards_kv_heads(cfg.num_kv_heads, tensor_parallel_size) else None
+    vocab_split = cfg.vocab_size % tensor_parallel_size == 0
+    return {"w_gate_up": -1, "w_qkv": kv_split, "b_qkv": kv_split, "wo": -2, "w_down": -2,
+            "embed": -2 if vocab_split else None, "lm_head": -1 if vocab_split else None,
+            "attn_norm": None, "mlp_norm": None, "q_norm": None, "k_norm": None, "final_norm": None}
+
+
+def check_tensor_parallel(cfg: LlamaConfig, tensor_parallel_size: int, *, field: str) -> None:
+    """Raise before loading when `cfg` cannot be split over tensor_parallel_size devices."""
+    tp = tensor_parallel_size
+    fix = ("lower it" if field == "tensor_parallel_size" else
+           "or set speculative_config['draft_tensor_parallel_size'] = 1 to replicate the draft")
+    name = "model" if field == "tensor_parallel_size" else "draft model"
+    if cfg.num_heads % tp:
+        raise ValueError(f"the {name}'s num_heads={cfg.num_heads} is not divisible by {field}={tp}: "
+                         f"use a divisor of {cfg.num_heads}, {fix}")
+    if cfg.num_kv_heads >= tp and cfg.num_kv_heads % tp:
+        raise ValueError(f"the {name}'s num_kv_heads={cfg.num_kv_heads} is not divisible by {field}={tp}: "
+                         f"use a divisor of {cfg.num_kv_heads}, {fix}")
+    if cfg.num_kv_heads < tp and tp % cfg.num_kv_heads:
+        raise ValueError(f"{field}={tp} is larger than the {name}'s num_kv_heads={cfg.num_kv_heads} but not a "
+                         f"multiple of it (kv heads are then replicated): use a multiple, {fix}")
+    if cfg.intermediate_size % tp:
+        raise ValueError(f"the {name}'s intermediate_size={cfg.intermediate_size} is not divisible by "
+                         f"{field}={tp}: {fix}")
 
 
 def unstack_layers(params: dict, num_layers: int) -> dict:
@@ -86,17 +189,47 @@ def default_unroll() -> bool:
     return jax.default_backend() == "gpu"
 
 
-@dataclasses.dataclass(frozen=True)
-class ForwardAux:
-    """Extra outputs: the residual stream entering each requested layer, concatenated on the last axis."""
-    captured: jax.Array | None
+# ---------------------------------------------------------------------------------------------- module
+
+def _init(rngs: nnx.Rngs, shape: Sequence[int], dtype) -> nnx.Param:
+    return nnx.Param((0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+
+
+def _ones(shape: Sequence[int], dtype) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, dtype))
+
+
+class DecoderWeights(nnx.Module):
+    """Decoder layer weights in the weight map's layout. `lead=(L,)` stacks every leaf over L layers on axis
+    0; `lead=()` holds one layer."""
+
+    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs, lead: tuple[int, ...] = ()):
+        H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
+
+        def init(*shape):
+            return _init(rngs, lead + shape, dtype)
+
+        def ones(*shape):
+            return _ones(lead + shape, dtype)
+
+        self.attn_norm, self.mlp_norm = ones(H), ones(H)
+        self.w_qkv, self.wo = init(H, q + 2 * kv), init(q, H)
+        if cfg.attention_bias:
+            self.b_qkv = init(q + 2 * kv)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = ones(D), ones(D)
+        self.w_gate_up, self.w_down = init(H, 2 * I), init(I, H)
+
+    def arrays(self) -> dict[str, jax.Array]:
+        return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
 
 
 class LlamaForCausalLM(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, attention_impl: str = "auto",
-                 unroll_layers: bool | None = None):
+    def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
+                 kernels: KernelPolicy = KernelPolicy(), unroll_layers: bool | None = None):
         self.cfg = cfg
-        self.attention_impl = attention_impl
+        self.kernels = kernels
         self.unroll_layers = default_unroll() if unroll_layers is None else unroll_layers
         self.embed = _init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
         if self.unroll_layers:
@@ -109,12 +242,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def __call__(self, tokens: jax.Array, start: jax.Array, cache: KVCache,
                  capture_layers: tuple[int, ...] = (), fresh: bool = False) -> tuple[jax.Array, KVCache, ForwardAux]:
-        """Run T tokens per row [B, T] at positions start[b] .. start[b]+T-1.
-
-        Returns the final-normed hidden states [B, T, H], the cache with these tokens' K/V written, and the
-        residual stream entering each layer of `capture_layers` (EAGLE-3 reads those). fresh (static): this is
-        a prompt's prefill (start is all zeros, the cache holds nothing yet), so attention may skip the cache.
-        """
+        """Run T tokens per row [B, T] at positions start[b] .. start[b]+T-1 (the CausalLM contract)."""
         T = tokens.shape[1]
         positions = start[:, None] + jnp.arange(T, dtype=start.dtype)[None, :]
         h = self.embed[...][tokens]
@@ -140,28 +268,63 @@ class LlamaForCausalLM(nnx.Module):
         head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
         return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
 
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        cfg = self.cfg
+        return KVCache.init(cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, self.embed[...].dtype)
+
+    def cache_bytes(self, batch: int, max_len: int, tensor_parallel_size: int = 1) -> int:
+        cfg = self.cfg
+        return KVCache.bytes(cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, self.embed[...].dtype,
+                             tensor_parallel_size)
+
     def _layer_fn(self, positions: jax.Array, start: jax.Array, fresh: bool):
-        cfg, impl = self.cfg, self.attention_impl
+        cfg, kernels = self.cfg, self.kernels
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        B, T = positions.shape
+        scale = cfg.head_dim ** -0.5
 
         def layer(carry, xs):
             h, k_cache, v_cache = carry
             w, i = xs
-            q, k, v = pin_heads(*qkv_projection(h, w["w_qkv"], w.get("b_qkv"), cfg.num_heads, cfg.num_kv_heads,
-                                                cfg.head_dim, norm=w["attn_norm"], eps=cfg.rms_norm_eps, impl=impl))
-            if cfg.qk_norm:
-                q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-            k_cache, v_cache = write_layer(k_cache, i, k, start), write_layer(v_cache, i, v, start)
-            scale = cfg.head_dim ** -0.5
-            if fresh:
-                o = prefill_attention(q, k, v, k_cache, v_cache, i, scale=scale, impl=impl)
-            else:
-                o = attention(q, k_cache, v_cache, i, start, scale=scale, impl=impl)
-            h_attn = projection(o.reshape(B, T, -1), w["wo"], residual=h, impl=impl)
-            out = swiglu_mlp(h_attn, w["w_gate_up"], w["w_down"], norm=w["mlp_norm"], eps=cfg.rms_norm_eps,
-                             residual=h_attn, impl=impl)
+
+            def attend(q, k, v):
+                nonlocal k_cache, v_cache
+                k_cache, v_cache = write_layer(k_cache, i, k, start), write_layer(v_cache, i, v, start)
+                if fresh:
+                    return prefill_attention(q, k, v, k_cache, v_cache, i, scale=scale, kernels=kernels)
+                return attention(q, k_cache, v_cache, i, start, scale=scale, kernels=kernels)
+
+            out = decoder_layer(h, h, w, cfg, positions, inv_freq, attend, kernels, input_norm=w["attn_norm"])
             return (out, k_cache, v_cache), h
 
         return layer
+
+
+# ---------------------------------------------------------------------------------------------- family
+
+class LlamaFamily:
+    name = "llama"
+    architectures = ARCHITECTURES
+    config_from_hf = staticmethod(LlamaConfig.from_hf_dict)
+    weight_map = staticmethod(weight_map)
+    partition_rules = staticmethod(partition_rules)
+    check_tensor_parallel = staticmethod(check_tensor_parallel)
+
+    @staticmethod
+    def build(cfg: LlamaConfig, params: dict, *, kernels: KernelPolicy = KernelPolicy(),
+              unroll_layers: bool | None = None) -> LlamaForCausalLM:
+        """The module holding `params` (stacked layer leaves), consumed when the layers are unrolled."""
+        dtype = jax.tree_util.tree_leaves(params)[0].dtype
+        unroll = default_unroll() if unroll_layers is None else unroll_layers
+        model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), kernels=kernels,
+                                                        unroll_layers=unroll))
+        nnx.update(model, unstack_layers(params, cfg.num_layers) if unroll else params)
+        return model
+
+    @staticmethod
+    def random(cfg: LlamaConfig, *, dtype: np.dtype = jnp.float32, seed: int = 0,
+               kernels: KernelPolicy = KernelPolicy(), unroll_layers: bool | None = None) -> LlamaForCausalLM:
+        """Random weights (normal * 0.02), for speed benchmarks and tests."""
+        return LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(seed), kernels=kernels, unroll_layers=unroll_layers)
+
+
+FAMILY = LlamaFamily()

@@ -22,6 +22,7 @@ from checkpoints_conv.eagle_loader import load_eagle_head
 from checkpoints_conv.eagle_writer import save_eagle3_head
 from specjax import LLM
 from specjax.hub import resolve_model
+from specjax.kernels.policy import KernelPolicy
 from specjax.models.eagle import EagleHead, default_aux_layer_ids
 from specjax.training import data as data_lib
 from specjax.training.evaluate import acceptance
@@ -99,7 +100,8 @@ def _initial_head(cfg: PipelineConfig, target_cfg, target_params, aux_ids: tuple
     if not cfg.init_head:
         return None
     dtype = target_params["embed"][...].dtype
-    head = load_eagle_head(cfg.init_head, "eagle3", target_cfg, target_params, dtype, attention_impl="reference")
+    head = load_eagle_head(cfg.init_head, "eagle3", target_cfg, target_params, dtype,
+                           kernels=KernelPolicy(impl="reference"))
     if head.cfg.lm_head_source != "head":
         raise ValueError(f"init_head={cfg.init_head!r} has no lm_head of its own; training continues EAGLE-3 "
                          "heads saved by this pipeline (or published with lm_head.weight)")

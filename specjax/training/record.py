@@ -17,12 +17,11 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from specjax.engine.loop import LoopSpec, build_generate
+from specjax.engine.loop import LoopSpec, jit_generate
 from specjax.engine.proposers.base import TargetPass
+from specjax.engine.rows import greedy_rows
 from specjax.engine.shapes import MIN_PROMPT_BUCKET, bucket, buffer_len
-from specjax.engine.state import RowParams
-from specjax.models.llama import stack_layers
-from specjax.models.registry import build_model
+from specjax.models.llama import FAMILY, stack_layers
 from specjax.training.features import FeatureWriter
 
 
@@ -78,18 +77,17 @@ def record(llm: Any, prompt_ids: Sequence[list[int]], max_new_tokens: int, aux_l
            writer: FeatureWriter, batch: int = 32) -> None:
     """Greedy responses to prompt_ids[writer.num_examples:] (earlier ones were recorded by a previous run),
     appended with their hidden states to `writer`, flushed after each wave."""
-    cfg = llm.model_config
-    recorder = FeatureRecorder(aux_layer_ids, cfg.hidden_size)
+    recorder = FeatureRecorder(aux_layer_ids, llm.model_config.hidden_size)
     spec = LoopSpec(k=0, n_top=0, max_model_len=llm.max_model_len)
     graph, params = _scanned(llm)
-    generate = jax.jit(build_generate(graph, recorder, spec), static_argnums=5)
-    stop_ids = sorted({*cfg.eos_token_ids, llm.get_tokenizer().eos_token_id} - {None}) or [-1]
+    generate = jit_generate(graph, recorder, spec)
     with tqdm(total=len(prompt_ids), initial=writer.num_examples, desc="target responses + hidden states") as bar:
         for begin in range(writer.num_examples, len(prompt_ids), batch):
             wave = prompt_ids[begin:begin + batch]
             prompts, lengths, cache_len = _pack(wave, batch, max_new_tokens, llm.max_model_len)
-            state = generate(params, None, prompts, lengths, _greedy_rows(batch, len(wave), max_new_tokens,
-                                                                                stop_ids), cache_len)
+            budgets = [max_new_tokens] * len(wave) + [0] * (batch - len(wave))   # padding rows generate nothing
+            state = generate(params, None, prompts, lengths, greedy_rows(batch, budgets, llm.eos_token_ids),
+                             cache_len)
             # Only what is written out comes to the host (not the KV cache: gigabytes at recording batches).
             tokens, ends, recording = jax.device_get((state.tokens, state.lengths, state.proposer))
             width = prompts.shape[1]
@@ -111,8 +109,8 @@ def _scanned(llm: Any) -> tuple[nnx.GraphDef, Any]:
     model = nnx.merge(llm.target_graph, llm.params)
     if not model.unroll_layers:
         return llm.target_graph, llm.params
-    scanned = build_model(llm.model_config, stack_layers(nnx.to_pure_dict(llm.params)),
-                          attention_impl=model.attention_impl, unroll_layers=False)
+    scanned = FAMILY.build(llm.model_config, stack_layers(nnx.to_pure_dict(llm.params)), kernels=model.kernels,
+                           unroll_layers=False)
     return nnx.split(scanned)
 
 
@@ -126,13 +124,3 @@ def _pack(wave: Sequence[list[int]], batch: int, max_new_tokens: int, max_model_
         lengths[row] = len(p)
     cache_len = buffer_len(P, longest, max_new_tokens, 0, max_model_len)
     return jnp.asarray(prompts), jnp.asarray(lengths), cache_len
-
-
-def _greedy_rows(batch: int, used: int, max_new_tokens: int, stop_ids: list[int]) -> RowParams:
-    """Greedy rows; padding rows (beyond `used`) generate nothing."""
-    max_tokens = np.zeros((batch,), np.int32)
-    max_tokens[:used] = max_new_tokens
-    return RowParams(temperature=jnp.zeros((batch,)), top_k=jnp.zeros((batch,), jnp.int32),
-                     top_p=jnp.ones((batch,)), min_p=jnp.zeros((batch,)), seed=jnp.zeros((batch,), jnp.uint32),
-                     max_tokens=jnp.asarray(max_tokens), min_tokens=jnp.zeros((batch,), jnp.int32),
-                     stop_ids=jnp.asarray([stop_ids] * batch, jnp.int32))

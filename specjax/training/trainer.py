@@ -21,7 +21,8 @@ import optax
 from flax import nnx
 
 from specjax.models.eagle import EagleConfig, EagleHead, Frozen
-from specjax.models.model_config import ModelConfig
+from specjax.kernels.policy import KernelPolicy
+from specjax.models.llama import LlamaConfig
 from specjax.training.features import FeatureStore
 
 
@@ -44,17 +45,17 @@ class Batch:
     response: np.ndarray    # bool [B, T] response tokens (padding and prompt are False)
 
 
-def new_head(target_cfg: ModelConfig, target_state: Any, draft_ids: np.ndarray, aux_layer_ids: tuple[int, ...],
+def new_head(target_cfg: LlamaConfig, target_state: Any, draft_ids: np.ndarray, aux_layer_ids: tuple[int, ...],
              *, seed: int = 0) -> EagleHead:
     """A fresh EAGLE-3 head for the target: one decoder layer shaped like the target's, the target's
     embedding (frozen), a final norm and lm_head started from the target's (its draft-vocabulary rows)."""
     layers = dataclasses.replace(target_cfg, num_layers=1, architecture="LlamaForCausalLMEagle3",
-                                 tie_word_embeddings=False)
+                                 tie_word_embeddings=False, qk_norm=False)
     cfg = EagleConfig(method="eagle3", layers=layers, target_hidden_size=target_cfg.hidden_size,
                       draft_vocab_size=len(draft_ids), aux_layer_ids=tuple(aux_layer_ids))
     dtype = target_state["embed"][...].dtype
     # Trained under jax.grad: the pure-JAX maths (the Pallas kernels have no derivatives).
-    head = EagleHead(cfg, dtype=dtype, rngs=nnx.Rngs(seed), attention_impl="reference")
+    head = EagleHead(cfg, dtype=dtype, rngs=nnx.Rngs(seed), kernels=KernelPolicy(impl="reference"))
     head.embed = Frozen(target_state["embed"][...])
     # Output norm and lm_head start as the target's own: a head that reproduced the target's final hidden
     # state would then reproduce its logits.
@@ -65,7 +66,7 @@ def new_head(target_cfg: ModelConfig, target_state: Any, draft_ids: np.ndarray, 
     return head
 
 
-def target_unembedding(target_cfg: ModelConfig, target_state: Any) -> jax.Array:
+def target_unembedding(target_cfg: LlamaConfig, target_state: Any) -> jax.Array:
     """The target's lm_head as [H, V] (the embedding transposed when tied)."""
     if target_cfg.tie_word_embeddings:
         return target_state["embed"][...].T
@@ -75,7 +76,7 @@ def target_unembedding(target_cfg: ModelConfig, target_state: Any) -> jax.Array:
 class Trainer:
     """Holds the head's graph, its trainable params, the optimizer state and one jitted step per shape."""
 
-    def __init__(self, head: EagleHead, target_cfg: ModelConfig, target_state: Any, config: TrainConfig):
+    def __init__(self, head: EagleHead, target_cfg: LlamaConfig, target_state: Any, config: TrainConfig):
         self.config = config
         self.graph, self.params, self.frozen = nnx.split(head, nnx.Param, ...)
         ids = head.draft_to_target[...] if head.cfg.reduced_vocab else jnp.arange(head.cfg.draft_vocab_size)

@@ -25,6 +25,10 @@ class Proposer(Protocol):
     # Target layers whose entering residual stream `observe` needs (EAGLE-3); () for none.
     capture_layers: tuple[int, ...]
 
+    def cache_bytes(self, batch: int, max_len: int) -> int:
+        """Bytes one device holds of the proposer's own caches for `batch` rows of `max_len` slots (the
+        memory check counts them with the target's)."""
+
     def init(self, draft_state: Any, prompt_tokens: jax.Array, prompt_lengths: jax.Array, cache_len: int) -> Any:
         """The proposer's carry after the prompt (e.g. the draft model's prefilled KV cache)."""
 
@@ -47,12 +51,19 @@ class IgnoresTarget:
         return carry
 
 
-class NoProposer(IgnoresTarget):
-    """k = 0: the loop is plain autoregressive decoding."""
-    k = 0
+class Stateless(IgnoresTarget):
+    """For proposers that keep no carry and no cache."""
 
     def init(self, draft_state, prompt_tokens, prompt_lengths, cache_len):
         return None
+
+    def cache_bytes(self, batch: int, max_len: int) -> int:
+        return 0
+
+
+class NoProposer(Stateless):
+    """k = 0: the loop is plain autoregressive decoding."""
+    k = 0
 
     def propose(self, draft_state, carry, tokens, lengths, rows):
         return jnp.zeros((tokens.shape[0], 0), jnp.int32), None, carry

@@ -18,7 +18,7 @@ from specjax.engine import sampling
 from specjax.engine.proposers.base import TargetPass
 from specjax.engine.state import RowParams
 from specjax.models.eagle import EagleHead
-from specjax.models.kv_cache import KVCache, cache_bytes, init_cache
+from specjax.models.kv_cache import KVCache
 
 
 @jax.tree_util.register_dataclass
@@ -37,17 +37,15 @@ class EagleProposer:
         self.k = k
         self.probabilistic = probabilistic
         self.capture_layers = self.cfg.aux_layer_ids if self.cfg.method == "eagle3" else ()
-        self.dtype = head.fc[...].dtype
+        self.cache_bytes = head.cache_bytes
 
     def init(self, draft_state, prompt_tokens: jax.Array, prompt_lengths: jax.Array, cache_len: int) -> EagleCarry:
+        head = nnx.merge(self.head_graph, draft_state)
         B = prompt_tokens.shape[0]
         vocab = self.cfg.layers.vocab_size if self.probabilistic else 0
-        return EagleCarry(cache=init_cache(self.cfg.layers, B, cache_len, self.dtype),
+        return EagleCarry(cache=head.init_cache(B, cache_len),
                           first=jnp.zeros((B,), jnp.int32), first_probs=jnp.zeros((B, vocab), jnp.float32),
-                          hidden=jnp.zeros((B, self.cfg.hidden_size), self.dtype))
-
-    def cache_bytes(self, batch: int, max_len: int) -> int:
-        return cache_bytes(self.cfg.layers, batch, max_len, self.dtype)
+                          hidden=jnp.zeros((B, self.cfg.hidden_size), head.fc[...].dtype))
 
     def observe(self, draft_state, carry: EagleCarry, target: TargetPass, tokens: jax.Array, lengths: jax.Array,
                 rows: RowParams) -> EagleCarry:
@@ -89,6 +87,6 @@ class EagleProposer:
             token = head.to_target_ids(jnp.argmax(head.logits(out), axis=-1).astype(jnp.int32))
             return token, jnp.zeros((out.shape[0], 0), jnp.float32)
         q = sampling.processed_probs(head.target_logits(out), rows.temperature, rows.top_k, rows.top_p,
-                                     rows.min_p, head.attention_impl)
+                                     rows.min_p, head.kernels)
         token = sampling.sample_from_probs(q, sampling.row_key(rows.seed, position, sampling.DRAFT))
         return token, q

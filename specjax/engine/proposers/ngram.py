@@ -16,7 +16,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax.engine.proposers.base import Stateless
+
 NO_DRAFT = -1
+
+
+class NgramProposer(Stateless):
+    """Prompt lookup: drafts from the row's own committed tokens (q one-hot)."""
+
+    def __init__(self, k: int, min_n: int, max_n: int):
+        _check_static(k, min_n, max_n)
+        self.k, self.min_n, self.max_n = k, min_n, max_n
+
+    def propose(self, draft_state, carry, tokens, lengths, rows):
+        return propose_ngram(tokens, lengths, self.k, self.min_n, self.max_n), None, carry
 
 
 def _check_static(k: int, min_n: int, max_n: int) -> None:

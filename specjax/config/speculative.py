@@ -1,239 +1,17 @@
-"""All user-facing parsing and validation of `LLM(...)` arguments, before anything compiles.
-
-- `EngineConfig.from_kwargs(model, **kwargs)`: vLLM's `LLM(...)` / `EngineArgs` names. Settings
-  that only steer vLLM's CUDA engine are accepted with a warning that they have no effect;
-  unknown names raise TypeError listing the accepted ones.
-- `check_kv_cache_fits`: the "KV cache does not fit" error, with the numbers and what to lower.
-- `SpeculativeConfig.from_dict`: vLLM's `speculative_config` keys, defaults, method inference
-  and validation. `check_draft_compatible` checks a loaded draft against the target.
-"""
+"""`speculative_config`: vLLM's keys, defaults, method inference and validation; the draft's compatibility."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-import numbers
 import os
 import warnings
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from specjax.kernels.platform import IMPLS
-
-# --------------------------------------------------------------------------------------------
-# LLM(...) / EngineArgs
-# --------------------------------------------------------------------------------------------
-
-DTYPE_ALIASES = {
-    "auto": "auto",
-    "float32": "float32", "fp32": "float32", "float": "float32",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "fp16": "float16", "half": "float16",
-}
-# vLLM's offline LLM default; the engine may run fewer rows when fewer prompts are given.
-DEFAULT_MAX_NUM_SEQS = 256
-
-_ANY = object()  # marks a no-effect setting that is ignored whatever its value
-# vLLM EngineArgs that tune its CUDA engine (memory manager, scheduler, CUDA graphs, ...):
-# accepted and ignored. Where a non-default value would change the results (quantized
-# weights, a different KV dtype, pipeline stages, LoRA, ...), only the default is accepted.
-NO_EFFECT_KWARGS: dict[str, Any] = {
-    "swap_space": _ANY,
-    "cpu_offload_gb": _ANY,
-    "disable_custom_all_reduce": _ANY,
-    "enable_prefix_caching": _ANY,
-    "enable_chunked_prefill": _ANY,
-    "block_size": _ANY,
-    "max_num_batched_tokens": _ANY,
-    "max_seq_len_to_capture": _ANY,
-    "max_cudagraph_capture_size": _ANY,
-    "cuda_graph_sizes": _ANY,
-    "compilation_config": _ANY,
-    "disable_log_stats": _ANY,
-    "disable_async_output_proc": _ANY,
-    "async_scheduling": _ANY,
-    "tokenizer_mode": _ANY,
-    "tokenizer_revision": _ANY,
-    "load_format": _ANY,
-    "download_dir": _ANY,
-    "distributed_executor_backend": _ANY,
-    "max_logprobs": _ANY,
-    "enable_sleep_mode": _ANY,
-    "kv_cache_memory_bytes": _ANY,
-    "served_model_name": _ANY,
-    "quantization": None,
-    "kv_cache_dtype": "auto",
-    "pipeline_parallel_size": 1,
-    "data_parallel_size": 1,
-    "enable_lora": False,
-    "skip_tokenizer_init": False,
-    "hf_overrides": None,
-    "scheduling_policy": "fcfs",
-}
-ACCEPTED_KWARGS = (
-    "model", "tokenizer", "dtype", "tensor_parallel_size", "max_model_len", "max_num_seqs", "seed",
-    "gpu_memory_utilization", "enforce_eager", "trust_remote_code", "revision", "speculative_config",
-    "attention_impl", "unroll_layers",
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Validated `LLM(...)` settings.
-
-    tokenizer: defaults to `model`. dtype: "auto", "float32", "bfloat16" or "float16".
-    max_model_len: None means the model's own limit (the loader resolves it).
-    speculative_config: the raw dict, parsed by `SpeculativeConfig.from_dict` once the
-    target's max_model_len is known. attention_impl: "auto" (the Pallas kernels where they run: attention, the
-    fused projections, the top-k/top-p search), "reference" (pure JAX everywhere) or "triton" (the kernels
-    forced).
-    """
-
-    model: str
-    tokenizer: str
-    dtype: str = "auto"
-    tensor_parallel_size: int = 1
-    max_model_len: int | None = None
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    seed: int | None = 0
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    trust_remote_code: bool = False
-    revision: str | None = None
-    speculative_config: Mapping[str, Any] | None = None
-    attention_impl: str = "auto"
-    unroll_layers: bool | None = None
-
-    @classmethod
-    def from_kwargs(cls, model: str | os.PathLike, **kwargs: Any) -> EngineConfig:
-        """Validate `LLM(model, **kwargs)`; warn about vLLM settings that have no effect here."""
-        unknown = sorted(set(kwargs) - set(ACCEPTED_KWARGS) - set(NO_EFFECT_KWARGS))
-        if unknown:
-            raise TypeError(f"LLM() got unexpected keyword argument(s) {unknown}. Accepted: "
-                            f"{', '.join(ACCEPTED_KWARGS)}; also accepted and ignored (vLLM CUDA-engine "
-                            f"settings): {', '.join(NO_EFFECT_KWARGS)}")
-        for name in set(kwargs) & set(NO_EFFECT_KWARGS):
-            _check_no_effect(name, kwargs.pop(name))
-        model = _path_or_id(model, "model")
-        tokenizer = kwargs.pop("tokenizer", None)
-        tokenizer = model if tokenizer is None else _path_or_id(tokenizer, "tokenizer")
-        config = cls(model=model, tokenizer=tokenizer, **kwargs)
-        return config._validated()
-
-    def _validated(self) -> EngineConfig:
-        _check_int(self.tensor_parallel_size, "tensor_parallel_size", minimum=1)
-        if self.max_model_len is not None:
-            _check_int(self.max_model_len, "max_model_len", minimum=1)
-        _check_int(self.max_num_seqs, "max_num_seqs", minimum=1)
-        if self.seed is not None:
-            _check_int(self.seed, "seed")
-        _check_memory_fraction(self.gpu_memory_utilization)
-        for name in ("enforce_eager", "trust_remote_code"):
-            _check_bool(getattr(self, name), name)
-        if self.unroll_layers is not None:
-            _check_bool(self.unroll_layers, "unroll_layers")
-        _check_optional_str(self.revision, "revision")
-        if self.speculative_config is not None and not isinstance(self.speculative_config, Mapping):
-            raise TypeError(f"speculative_config must be a dict (e.g. {{'method': 'ngram', "
-                            f"'num_speculative_tokens': 4}}) or None, got {self.speculative_config!r}")
-        if self.attention_impl not in IMPLS:
-            raise ValueError(f"attention_impl must be one of {IMPLS}, got {self.attention_impl!r}")
-        spec = None if self.speculative_config is None else dict(self.speculative_config)
-        return dataclasses.replace(self, dtype=canonical_dtype(self.dtype), speculative_config=spec)
-
-
-def canonical_dtype(dtype: Any) -> str:
-    """"auto" | "float32" | "bfloat16" | "float16" from a name, alias, or numpy/JAX/torch dtype."""
-    name = dtype if isinstance(dtype, str) else _dtype_name(dtype)
-    canonical = DTYPE_ALIASES.get(name.lower() if isinstance(name, str) else name)
-    if canonical is None:
-        raise ValueError(f"dtype must be one of {sorted(DTYPE_ALIASES)} (or a float32/bfloat16/float16 "
-                         f"dtype object), got {dtype!r}")
-    return canonical
-
-
-def _dtype_name(dtype: Any) -> str | None:
-    """The plain name of a numpy / JAX / torch dtype object, e.g. torch.bfloat16 -> "bfloat16"."""
-    text = str(dtype)
-    if text.startswith("torch."):
-        return text.removeprefix("torch.")
-    try:
-        import numpy as np
-
-        return np.dtype(dtype).name
-    except (TypeError, ValueError):
-        return None
-
-
-def _check_no_effect(name: str, value: Any) -> None:
-    required = NO_EFFECT_KWARGS[name]
-    if required is not _ANY and value != required:
-        raise ValueError(f"{name}={value!r} is not supported by specjax; remove it or pass {name}={required!r}")
-    warnings.warn(f"LLM(): {name}={value!r} has no effect in specjax (a vLLM CUDA-engine setting); ignored",
-                  stacklevel=4)
-
-
-def _path_or_id(value: Any, name: str) -> str:
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-    if not isinstance(value, str) or not value:
-        raise TypeError(f"{name} must be a Hugging Face Hub id or a local directory path, got {value!r}")
-    return value
-
-
-def _check_memory_fraction(value: Any) -> None:
-    if not _is_number(value) or not math.isfinite(value):
-        raise TypeError(f"gpu_memory_utilization must be a number in (0, 1], got {value!r}")
-    if not 0 < value <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1] (the fraction of device memory "
-                         f"specjax may use), got {value}")
-
-
-# --------------------------------------------------------------------------------------------
-# KV cache size
-# --------------------------------------------------------------------------------------------
-
-def check_kv_cache_fits(kv_bytes: int, free_bytes: int, gpu_memory_utilization: float, *,
-                        max_model_len: int | None = None, max_num_seqs: int | None = None) -> None:
-    """Raise a ValueError naming what to lower when the KV cache exceeds its budget.
-
-    free_bytes: device memory still free once the weights are placed; the KV cache may use
-    gpu_memory_utilization of it. kv_bytes grows linearly with max_model_len and with
-    max_num_seqs; pass both to get the largest values that fit in the message.
-    """
-    _check_memory_fraction(gpu_memory_utilization)
-    _check_int(kv_bytes, "kv_bytes", minimum=0)
-    _check_int(free_bytes, "free_bytes", minimum=0)
-    budget = int(free_bytes * gpu_memory_utilization)
-    if kv_bytes <= budget:
-        return
-    settings = [f"{name}={value}" for name, value in (("max_num_seqs", max_num_seqs),
-                                                      ("max_model_len", max_model_len)) if value is not None]
-    shape = f" ({', '.join(settings)})" if settings else ""
-    lines = [f"The KV cache needs {_gib(kv_bytes)}{shape}, but only {_gib(budget)} is available "
-             f"({_gib(free_bytes)} free after the weights x gpu_memory_utilization={gpu_memory_utilization})."]
-    fraction = budget / kv_bytes
-    if max_model_len is not None:
-        lines.append(f"Lower max_model_len: at most {int(max_model_len * fraction)} fits"
-                     f"{f' with max_num_seqs={max_num_seqs}' if max_num_seqs else ''}.")
-    if max_num_seqs is not None:
-        lines.append(f"Or lower max_num_seqs: at most {int(max_num_seqs * fraction)} fit"
-                     f"{f' with max_model_len={max_model_len}' if max_model_len else ''}.")
-    if max_model_len is None and max_num_seqs is None:
-        lines.append("Lower max_model_len or max_num_seqs.")
-    if gpu_memory_utilization < 1:
-        lines.append("Or raise gpu_memory_utilization (at most 1.0).")
-    raise ValueError(" ".join(lines))
-
-
-def _gib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**30:.2f} GiB"
-
-
-# --------------------------------------------------------------------------------------------
-# speculative_config
-# --------------------------------------------------------------------------------------------
+from specjax.config.validators import (ANY, check_int, check_optional_str, is_number, optional_bool,
+                                       path_or_id)
 
 KNOWN_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 # The methods the engine runs; extend as proposers land.
@@ -251,9 +29,9 @@ SPEC_KEYS = (
 # vLLM speculative_config keys for its CUDA engine: accepted only at these neutral values.
 SPEC_NO_EFFECT_KEYS: dict[str, Any] = {
     "quantization": None,
-    "code_revision": _ANY,
-    "disable_padded_drafter_batch": _ANY,
-    "attention_backend": _ANY,
+    "code_revision": ANY,
+    "disable_padded_drafter_batch": ANY,
+    "attention_backend": ANY,
 }
 
 
@@ -290,8 +68,8 @@ class SpeculativeConfig:
         """Parse and validate `speculative_config`; None (no speculation) stays None."""
         if d is None:
             return None
-        _check_int(target_max_model_len, "target_max_model_len", minimum=1)
-        _check_int(target_tensor_parallel_size, "target_tensor_parallel_size", minimum=1)
+        check_int(target_max_model_len, "target_max_model_len", minimum=1)
+        check_int(target_tensor_parallel_size, "target_tensor_parallel_size", minimum=1)
         if not isinstance(d, Mapping):
             raise TypeError(f"speculative_config must be a dict or None, got {d!r}")
         d = _spec_keys_checked(d)
@@ -304,8 +82,8 @@ class SpeculativeConfig:
             prompt_lookup_max=lookup_max, prompt_lookup_min=lookup_min,
             draft_tensor_parallel_size=_draft_tp(d.get("draft_tensor_parallel_size"), target_tensor_parallel_size),
             max_model_len=_draft_max_model_len(d.get("max_model_len"), target_max_model_len),
-            revision=_check_optional_str(d.get("revision"), "speculative_config['revision']"),
-            enforce_eager=_optional_bool(d.get("enforce_eager"), "speculative_config['enforce_eager']"),
+            revision=check_optional_str(d.get("revision"), "speculative_config['revision']"),
+            enforce_eager=optional_bool(d.get("enforce_eager"), "speculative_config['enforce_eager']"),
             draft_sample_method=draft_sample, rejection_sample_method=rejection_sample,
             synthetic_acceptance_rates=_synthetic_rates(rejection_sample, k, d.get("synthetic_acceptance_rates"),
                                                         d.get("synthetic_acceptance_length")),
@@ -350,7 +128,7 @@ def _spec_keys_checked(d: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"speculative_config has unknown key(s) {unknown}; accepted keys: {', '.join(SPEC_KEYS)}")
     for key in set(d) & set(SPEC_NO_EFFECT_KEYS):
         required = SPEC_NO_EFFECT_KEYS[key]
-        if required is not _ANY and d[key] != required:
+        if required is not ANY and d[key] != required:
             raise ValueError(f"speculative_config[{key!r}]={d[key]!r} is not supported by specjax; "
                              f"remove it or set it to {required!r}")
         warnings.warn(f"speculative_config[{key!r}] has no effect in specjax; ignored", stacklevel=4)
@@ -362,7 +140,7 @@ def _infer_method(method: Any, model: Any) -> tuple[str, str | None]:
     "eagle3" -> eagle3 (even over an explicit draft_model); other models -> draft_model;
     "<family>_mtp" method names are old spellings of "mtp"."""
     if model is not None:
-        model = _path_or_id(model, "speculative_config['model']")
+        model = path_or_id(model, "speculative_config['model']")
     if method is not None and not isinstance(method, str):
         raise TypeError(f"speculative_config['method'] must be a string, one of {KNOWN_METHODS}, got {method!r}")
     if method == "[ngram]" or (method is None and model in ("ngram", "[ngram]")):
@@ -399,8 +177,6 @@ def _method_from_model_name(model: str | None) -> str:
 def _method_from_local_config(model: str | None) -> str | None:
     """A local head directory whose config.json says eagle / eagle3 (speculators_model_type, or an Eagle
     architecture) is that method whatever its name."""
-    from checkpoints_conv.eagle_loader import method_from_head_config
-
     config_file = os.path.join(os.path.expanduser(model or ""), "config.json")
     if not model or not os.path.isfile(config_file):
         return None
@@ -408,11 +184,25 @@ def _method_from_local_config(model: str | None) -> str | None:
         return method_from_head_config(json.load(f))
 
 
+def method_from_head_config(d: Mapping[str, Any]) -> str | None:
+    """"eagle3" / "eagle" when a head's config.json says so (speculators type, Eagle3 architectures), else
+    None."""
+    speculators_type = d.get("speculators_model_type")
+    if speculators_type is not None:
+        return str(speculators_type)
+    architectures = " ".join(d.get("architectures") or []).lower()
+    if "eagle3" in architectures:
+        return "eagle3"
+    if "eagle" in architectures:
+        return "eagle"
+    return None
+
+
 def _required_k(k: Any) -> int:
     if k is None:
         raise ValueError("speculative_config needs 'num_speculative_tokens' (an int > 0: tokens drafted "
                          "per step, e.g. 4)")
-    _check_int(k, "speculative_config['num_speculative_tokens']", minimum=1)
+    check_int(k, "speculative_config['num_speculative_tokens']", minimum=1)
     return int(k)
 
 
@@ -420,7 +210,7 @@ def _prompt_lookup(method: str, lookup_min: Any, lookup_max: Any) -> tuple[int, 
     """(min, max) n-gram window: both unset -> 5/5, one set -> mirrored (vLLM); 0/0 off ngram."""
     for name, value in (("prompt_lookup_min", lookup_min), ("prompt_lookup_max", lookup_max)):
         if value is not None:
-            _check_int(value, f"speculative_config[{name!r}]", minimum=1)
+            check_int(value, f"speculative_config[{name!r}]", minimum=1)
     if method != "ngram":
         return 0, 0
     if lookup_min is None and lookup_max is None:
@@ -436,7 +226,7 @@ def _prompt_lookup(method: str, lookup_min: Any, lookup_max: Any) -> tuple[int, 
 def _draft_tp(draft_tp: Any, target_tp: int) -> int:
     if draft_tp is None:
         return target_tp
-    _check_int(draft_tp, "speculative_config['draft_tensor_parallel_size']", minimum=1)
+    check_int(draft_tp, "speculative_config['draft_tensor_parallel_size']", minimum=1)
     if draft_tp not in (1, target_tp):
         raise ValueError(f"speculative_config draft_tensor_parallel_size={draft_tp} must be 1 or the target's "
                          f"tensor_parallel_size={target_tp}")
@@ -446,7 +236,7 @@ def _draft_tp(draft_tp: Any, target_tp: int) -> int:
 def _draft_max_model_len(max_len: Any, target_max_model_len: int) -> int:
     if max_len is None:
         return target_max_model_len
-    _check_int(max_len, "speculative_config['max_model_len']", minimum=1)
+    check_int(max_len, "speculative_config['max_model_len']", minimum=1)
     if max_len > target_max_model_len:
         raise ValueError(f"speculative_config max_model_len={max_len} cannot be larger than the target's "
                          f"max_model_len={target_max_model_len}; lower it or leave it unset")
@@ -485,7 +275,7 @@ def _synthetic_rates(rejection: str, k: int, rates: Any, length: Any) -> tuple[f
 
 
 def _checked_rates(rates: Any, k: int) -> tuple[float, ...]:
-    if not isinstance(rates, (list, tuple)) or not all(_is_number(r) for r in rates):
+    if not isinstance(rates, (list, tuple)) or not all(is_number(r) for r in rates):
         raise TypeError(f"synthetic_acceptance_rates must be a list of numbers, got {rates!r}")
     if len(rates) != k:
         raise ValueError(f"synthetic_acceptance_rates must have num_speculative_tokens={k} entries, got {rates}")
@@ -500,7 +290,7 @@ def _checked_rates(rates: Any, k: int) -> tuple[float, ...]:
 def _rates_from_length(length: Any, k: int) -> tuple[float, ...]:
     """vLLM's minimum-variance schedule: accepted drafts L-1 = whole positions of rate 1, then
     one fractional position, then zeros. E.g. L=2.6, k=3 -> (1.0, 0.6, 0.0)."""
-    if not _is_number(length) or not math.isfinite(length):
+    if not is_number(length) or not math.isfinite(length):
         raise TypeError(f"synthetic_acceptance_length must be a number, got {length!r}")
     if not 1.0 <= length <= k + 1:
         raise ValueError(f"synthetic_acceptance_length must be in [1, {k + 1}] (num_speculative_tokens + 1), "
@@ -508,35 +298,3 @@ def _rates_from_length(length: Any, k: int) -> tuple[float, ...]:
     accepted = float(length) - 1.0
     whole = int(accepted)
     return tuple(([1.0] * whole + [accepted - whole] + [0.0] * k)[:k])
-
-
-# --------------------------------------------------------------------------------------------
-# small checks shared above
-# --------------------------------------------------------------------------------------------
-
-def _is_number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, numbers.Real)
-
-
-def _check_int(value: Any, name: str, minimum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-def _check_bool(value: Any, name: str) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-
-
-def _optional_bool(value: Any, name: str) -> bool | None:
-    if value is not None:
-        _check_bool(value, name)
-    return value
-
-
-def _check_optional_str(value: Any, name: str) -> str | None:
-    if value is not None and not isinstance(value, str):
-        raise TypeError(f"{name} must be a string (a branch, tag or commit) or None, got {value!r}")
-    return value

@@ -1,0 +1,92 @@
+"""Which implementation each kernel call runs: one policy object per model, made once from the engine's
+settings and handed to every dispatcher (attention, prefill attention, projection, top-k/top-p).
+
+`impl="auto"` runs the Pallas (Triton) kernels on NVIDIA sm_80+ where they pay, by the thresholds below
+(measured on an H200, benchmarks/RESULTS.md), and the pure-JAX references elsewhere; "reference" is pure JAX
+everywhere; "triton" forces the kernels. `interpret=True` runs the kernels in Pallas interpret mode (CPU
+tests), chosen by the same size rules as on a GPU. `device` is the device whose capabilities "auto"
+consults (None: the first JAX device when the call is traced), so a test can ask what a GPU would run.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import jax
+
+from specjax.parallel.mesh import current_layout
+
+Impl = Literal["auto", "reference", "triton"]
+IMPLS = ("auto", "reference", "triton")
+# Triton's Pallas backend needs Ampere (sm_80) or newer.
+_MIN_COMPUTE_CAPABILITY = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPolicy:
+    impl: Impl = "auto"
+    interpret: bool = False
+    device: Any = None
+    # Fused norm + projection kernel: weights this small at this few rows (decode and verify passes), where
+    # launches and not bytes bound a projection.
+    projection_max_weight_bytes: int = 4 << 20
+    projection_max_rows: int = 512
+    # Top-k / top-p radix search: from this many batch x vocabulary elements; 2-bit digits from the second.
+    search_min_elements: int = 1 << 17
+    search_large_elements: int = 1 << 21
+    # A fresh prompt of at least this many tokens per row is prefilled through jax.nn.dot_product_attention
+    # with this implementation: cuDNN's fused kernel on GPUs ("xla" computes the same anywhere).
+    prefill_fused_min_tokens: int = 2048
+    prefill_fused_impl: Literal["cudnn", "xla"] = "cudnn"
+
+    def __post_init__(self) -> None:
+        if self.impl not in IMPLS:
+            raise ValueError(f"kernel impl must be one of {IMPLS}, got {self.impl!r}")
+
+    def mode(self) -> Literal["reference", "triton", "auto"]:
+        """How a single-device kernel may run here: "reference" when forced so, under tensor parallelism (the
+        partitioner cannot split a Pallas or cuDNN call) or on a device without the kernels; "triton" when
+        forced; "auto" where the kernels run (or in interpret mode), the call's own size rule deciding."""
+        if self.impl == "reference" or _tensor_parallel():
+            return "reference"
+        if self.impl == "triton":
+            return "triton"
+        return "auto" if self.interpret or self.device_has_kernels() else "reference"
+
+    def device_has_kernels(self) -> bool:
+        """Whether the Pallas (Triton) kernels run on this policy's device: NVIDIA sm_80+."""
+        device = jax.devices()[0] if self.device is None else self.device
+        return has_kernels(device)
+
+    def use_projection_kernel(self, rows: int, weight_bytes: int) -> bool:
+        mode = self.mode()
+        small = rows <= self.projection_max_rows and weight_bytes <= self.projection_max_weight_bytes
+        return mode == "triton" or (mode == "auto" and small)
+
+    def use_search(self, elements: int) -> bool:
+        """Whether top-k / top-p over `elements` (batch x vocabulary) runs the radix search, not the sort."""
+        mode = self.mode()
+        return mode == "triton" or (mode == "auto" and elements >= self.search_min_elements)
+
+    def use_fused_prefill(self, tokens: int) -> bool:
+        """Whether a fresh prompt of `tokens` per row (in a supported dtype and head dim) goes through the
+        fused attention: impl "auto", one device, where its implementation runs, long enough."""
+        if self.impl != "auto" or _tensor_parallel():
+            return False
+        runs = self.prefill_fused_impl == "xla" or self.device_has_kernels()
+        return runs and tokens >= self.prefill_fused_min_tokens
+
+
+def _tensor_parallel() -> bool:
+    """Traced under a layout over several devices: the partitioner cannot split a Pallas or cuDNN call."""
+    layout = current_layout()
+    return layout is not None and layout.mesh.size > 1
+
+
+def has_kernels(device: Any) -> bool:
+    """NVIDIA GPUs of compute capability 8.0+ run the Pallas (Triton) kernels; ROCm devices report a gfx
+    name as their capability, CPUs none."""
+    if device.platform != "gpu":
+        return False
+    major = str(getattr(device, "compute_capability", "")).split(".")[0]
+    return major.isdigit() and int(major) >= _MIN_COMPUTE_CAPABILITY
