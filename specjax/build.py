@@ -71,7 +71,7 @@ def build_engine(config: EngineConfig) -> Engine:
                                trust_remote_code=config.trust_remote_code)
     target = load_target(family, model_cfg, path, config)
     proposer, draft_params = build_proposer(config.speculative, target, unroll_layers=config.unroll_layers)
-    check_caches_fit(config, target, proposer)
+    check_caches_fit(config, target, proposer, free_device_bytes())
     return Engine(config=config, model_dir=path, tokenizer=tokenizer, target=target, proposer=proposer,
                   draft_params=draft_params, sampling_defaults=generation_config_defaults(path))
 
@@ -154,13 +154,13 @@ PROPOSER_BUILDERS: dict[str, Builder] = {"ngram": _ngram, "draft_model": _draft_
                                          "eagle3": _eagle}
 
 
-def check_caches_fit(config: EngineConfig, target: Target, proposer: Proposer) -> None:
+def check_caches_fit(config: EngineConfig, target: Target, proposer: Proposer, free_bytes: int) -> None:
     """Every cache a wave of max_num_seqs rows at max_model_len allocates (the target's, split over the mesh,
-    and the proposer's), against the device memory left after the weights."""
+    and the proposer's), against `free_bytes`, the device memory left after the weights."""
     slots = buffer_len(config.max_model_len, config.max_model_len, 0, proposer.k, config.max_model_len)
     need = (target.module.cache_bytes(config.max_num_seqs, slots, config.tensor_parallel_size)
             + proposer.cache_bytes(config.max_num_seqs, slots))
-    check_kv_cache_fits(need, free_device_bytes(), config.gpu_memory_utilization,
+    check_kv_cache_fits(need, free_bytes, config.gpu_memory_utilization,
                         max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs)
 
 

@@ -63,7 +63,7 @@ def loop_compiler_options() -> dict[str, str]:
     """XLA options to jit a generate loop with (`jax.jit(generate, compiler_options=...)`). On GPUs the whole
     while loop, its condition included, becomes one CUDA graph (WHILE and CONDITIONAL command buffers, beside
     XLA's default kinds): the host no longer reads the loop predicate back and relaunches the body's graph
-    every step (H200, SmolLM2-135M shape, batch 1: 1.08 -> 0.93 ms per token). Empty elsewhere."""
+    every step (benchmarks/RESULTS.md has the gain). Empty elsewhere."""
     if jax.default_backend() != "gpu":
         return {}
     return {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,"

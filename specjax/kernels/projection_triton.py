@@ -1,7 +1,7 @@
 """Decoder projections of few rows as one Pallas kernel lowered through Triton (NVIDIA sm_80+).
 
-At decode and verify a small model's step is bound by kernel launches, not bytes (SmolLM2-135M on an H200:
-~430 kernels per token of ~2 us each, while its weights stream in ~70 us). XLA compiles a projection of a
+At decode and verify a small model's step is bound by kernel launches, not bytes (benchmarks/RESULTS.md
+counts them for the default model). XLA compiles a projection of a
 single row as a multiply kernel that writes x * W out and a reduce kernel that reads it back, and each
 RMSNorm as a kernel of its own. This kernel does the norm, the matmul and the epilogue (SwiGLU, or the
 residual add) in one launch:
@@ -47,8 +47,8 @@ class ProjectionConfig:
 
 def default_config(in_features: int, out_features: int, sm_count: int = _DEFAULT_SM_COUNT) -> ProjectionConfig:
     """About one column block per SM (a few programs cannot pull a weight through memory fast), chunks of
-    256 along the reduction, pipelined three deep (H200 sweep over the default model's projections:
-    RESULTS.md)."""
+    256 along the reduction, pipelined three deep (the sweep over the default model's projections is in
+    benchmarks/RESULTS.md)."""
     per_sm = max(1, out_features // sm_count)
     block_n = min(_MAX_BLOCK_N, max(_MIN_BLOCK_N, 1 << (per_sm.bit_length() - 1)))
     return ProjectionConfig(block_n=block_n, block_k=min(ProjectionConfig.block_k, _next_power_of_two(in_features)))

@@ -34,7 +34,7 @@ def keep_mask_reference(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -
     """Tokens kept by top-k then top-p, a bool mask like logits [..., V] f32; top_k, top_p [..., 1].
 
     top_k <= 0 or >= V and top_p >= 1 switch a filter off. One descending sort serves both, of int32 keys
-    rather than the floats: XLA sorts those up to 1.9x faster on an H200 (benchmarks/RESULTS.md).
+    rather than the floats, which XLA sorts faster (benchmarks/RESULTS.md).
     """
     vocab = logits.shape[-1]
     keys = ordered_keys(logits)

@@ -6,8 +6,8 @@ reaches a target: their count reaching k (top-k), their mass within the top-k se
 set's mass (top-p; top_k_top_p_reference.py states the rules). So c is found a digit at a time from the
 top: with 4-bit digits in 8 rounds, each weighing over the whole row the 15 candidates that extend the prefix
 known so far by one digit; the next digit is the largest candidate that still reaches the target. A sort of a
-128k row costs an H200 about what 60 reads of it do (RESULTS.md); the search reads it 8 times per threshold
-(16 with the 2-bit digits that suit large batches, where the comparisons are the cost).
+large row costs many reads of it (benchmarks/RESULTS.md); the search reads it 8 times per threshold (16 with
+the 2-bit digits that suit large batches, where the comparisons are the cost).
 
 A round is one kernel of (row, chunk) programs. Each program first ends the previous round: it sums that
 round's partial weights over the row's chunks, always in the same order, and picks the digit (every program
@@ -69,7 +69,7 @@ def _layout(vocab: int, config: SearchConfig) -> _Layout:
 
 def _as_float(keys: jax.Array) -> jax.Array:
     """The float32 whose ordered key is `keys`, the words past the infinities (NaNs) clamped to them: x >= it
-    then holds exactly when x's key >= `keys`, for every non-NaN x (comparing floats measured 5% faster)."""
+    then holds exactly when x's key >= `keys`, for every non-NaN x (comparing floats measured faster)."""
     return from_ordered_keys(jnp.clip(keys, _LOWEST_KEY, _HIGHEST_KEY))
 
 

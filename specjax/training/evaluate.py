@@ -4,14 +4,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from specjax.llm import LLM
+from specjax.sampling_params import SamplingParams
+
 
 def acceptance(target: str, head_dir: str | Path, prompt_ids: Sequence[list[int]], *, k: int = 3,
                max_new_tokens: int = 256, max_model_len: int = 1024, max_num_seqs: int = 16,
                method: str = "eagle3", use_tqdm: bool = True) -> dict:
     """vLLM's definitions over all prompts: acceptance length = 1 + accepted / drafts, acceptance rate =
     accepted / draft tokens, per-position rate = accepted at position i / drafts."""
-    from specjax import LLM, SamplingParams
-
     llm = LLM(target, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               speculative_config={"method": method, "model": str(head_dir), "num_speculative_tokens": k})
     llm.generate([{"prompt_token_ids": p} for p in prompt_ids], SamplingParams(temperature=0.0,

@@ -103,7 +103,7 @@ def record(llm: Any, prompt_ids: Sequence[list[int]], max_new_tokens: int, aux_l
 def _scanned(llm: Any) -> tuple[nnx.GraphDef, Any]:
     """The target with its layers stacked and scanned (graph, params). Recording runs large batches, and
     unrolled layers put batch x layers KV-cache row writes into the compiled loop (at batch 256 an H200 run
-    finished no wave in 9 minutes, most likely still compiling); scanned, the loop body holds one layer's
+    finished no wave in minutes, most likely still compiling); scanned, the loop body holds one layer's
     writes, and the weight-slice copies scanning costs are small next to a batch-256 step. Unrolled weights
     are stacked into a copy for this."""
     model = nnx.merge(llm.target_graph, llm.params)
