@@ -13,6 +13,7 @@ missing file, a prompt too long) ends with one line on stderr and exit status 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -20,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 # This module imports only the standard library at the top, so building the parser (and --help) loads no
 # JAX; each command imports what it runs.
@@ -128,13 +129,17 @@ def speculative_config(args: argparse.Namespace, **overrides: Any) -> dict | Non
 def sampling_params(llm, args: argparse.Namespace, **overrides: Any):
     """The model's default SamplingParams with the flags given (then `overrides`) over them."""
     given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
-    return dataclasses.replace(llm.get_default_sampling_params(), **given, **overrides)
+    return dataclasses.replace(llm.get_default_sampling_params(), **{**given, **overrides})
 
 
 def load_llm(args: argparse.Namespace, spec: dict | None):
-    print(f"loading {args.model or 'the default model'}"
-          + (f" with speculative_config={json.dumps(spec)}" if spec else " (plain decoding)"), file=sys.stderr)
+    from tqdm.auto import tqdm
+
     from specjax import LLM
+
+    # tqdm.write keeps the line clear of a progress bar running meanwhile (bench's).
+    tqdm.write(f"loading {args.model or 'the default model'}"
+               + (f" with speculative_config={json.dumps(spec)}" if spec else " (plain decoding)"), file=sys.stderr)
 
     return LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
@@ -152,14 +157,20 @@ def _generate_parser(commands) -> None:
                     "'prompt', 'prompt_token_ids' or 'messages') or on stdin. Writes one JSON object per prompt "
                     "(vLLM's RequestOutput fields and the speculative counters), in input order.")
     parser.add_argument("prompts", nargs="*", help="prompt texts (none: read --input, else stdin)")
-    parser.add_argument("--input", "-i", default=None, help="prompts file, '-' for stdin")
+    _add_prompt_file_flags(parser)
     parser.add_argument("--output", "-o", default=None, help="JSON lines file (default: stdout)")
-    parser.add_argument("--chat", action="store_true",
-                        help="send text prompts as a user turn through the chat template")
     _add_engine_flags(parser)
     _add_speculative_flags(parser)
     _add_sampling_flags(parser)
     parser.set_defaults(run=run_generate)
+
+
+def _add_prompt_file_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input", "-i", default=None,
+                        help="prompts file ('-': stdin): text lines, or JSON lines with 'prompt', "
+                             "'prompt_token_ids' or 'messages'")
+    parser.add_argument("--chat", action="store_true",
+                        help="send text prompts as a user turn through the chat template")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -173,8 +184,9 @@ def run_generate(args: argparse.Namespace) -> int:
         for output in outputs:
             sink.write(json.dumps(output_record(output)) + "\n")
     tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    print(f"{len(outputs)} prompts, {tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tokens/s)"
-          f"{_acceptance_note(llm)}", file=sys.stderr)
+    length = mean_acceptance_length(llm)
+    print(f"{len(outputs)} prompts, {tokens} tokens in {seconds:.2f} s, compilation included"
+          + ("" if length is None else f"; acceptance length {length:.2f}"), file=sys.stderr)
     return 0
 
 
@@ -188,7 +200,7 @@ def read_prompts(texts: Sequence[str], path: str | None, *, chat: bool) -> list[
         lines += [(source, n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not lines:
         raise ValueError("no prompts: pass them as arguments, with --input FILE, or on stdin")
-    return [_prompt_record(source, n, line, chat=chat and source == "argument") for source, n, line in lines]
+    return [_prompt_record(source, n, line, chat=chat) for source, n, line in lines]
 
 
 def _prompt_record(source: str, number: int, line: str, *, chat: bool) -> dict:
@@ -203,17 +215,17 @@ def _prompt_record(source: str, number: int, line: str, *, chat: bool) -> dict:
     return {"messages": [{"role": "user", "content": line}]} if chat else {"prompt": line}
 
 
-def generate_records(llm, records: list[dict], params) -> list:
+def generate_records(llm, records: list[dict], params, use_tqdm: bool = True) -> list:
     """RequestOutputs in the records' order: conversations through llm.chat, the rest through llm.generate,
     request ids numbered by input line."""
     outputs: list = [None] * len(records)
     chats = [i for i, r in enumerate(records) if "messages" in r]
     plain = [i for i, r in enumerate(records) if "messages" not in r]
     if chats:
-        for i, out in zip(chats, llm.chat([records[i]["messages"] for i in chats], params)):
+        for i, out in zip(chats, llm.chat([records[i]["messages"] for i in chats], params, use_tqdm=use_tqdm)):
             outputs[i] = out
     if plain:
-        for i, out in zip(plain, llm.generate([records[i] for i in plain], params)):
+        for i, out in zip(plain, llm.generate([records[i] for i in plain], params, use_tqdm=use_tqdm)):
             outputs[i] = out
     for i, out in enumerate(outputs):
         out.request_id = str(i)
@@ -229,27 +241,7 @@ def output_record(output) -> dict:
 
 
 def _open_output(path: str | None):
-    if path is None:
-        return _Unclosed(sys.stdout)
-    return open(path, "w")
-
-
-class _Unclosed:
-    """stdout as a context manager that leaves it open."""
-
-    def __init__(self, stream: TextIO):
-        self.stream = stream
-
-    def __enter__(self) -> TextIO:
-        return self.stream
-
-    def __exit__(self, *exc) -> None:
-        self.stream.flush()
-
-
-def _acceptance_note(llm) -> str:
-    length = mean_acceptance_length(llm)
-    return "" if length is None else f", acceptance length {length:.2f}"
+    return contextlib.nullcontext(sys.stdout) if path is None else open(path, "w")
 
 
 def mean_acceptance_length(llm) -> float | None:
@@ -324,15 +316,16 @@ def reply(llm, conversation: list[dict], params) -> str:
 def _bench_parser(commands) -> None:
     parser = commands.add_parser(
         "bench", help="latency / throughput over k and batch size, as vllm bench does; JSON and a plot",
-        description="Time generation on random prompts (vLLM's dummy inputs: token ids below 10000, "
-                    "ignore_eos) for every k in --num-speculative-tokens and every --batch-size: warm-up "
-                    "iterations, then timed ones; median, percentiles and the speedup over k=0 at the same "
-                    "batch size.")
+        description="Time generation (ignore_eos) for every k in --num-speculative-tokens and every "
+                    "--batch-size: warm-up iterations, then timed ones; median, percentiles and the speedup "
+                    "over k=0 at the same batch size. Prompts: --input's (cycled), else random token ids "
+                    "below 10000 as vLLM's dummy inputs (on which drafts are seldom accepted).")
     parser.add_argument("mode", choices=("latency", "throughput"),
                         help="latency: one call of batch-size prompts per iteration; throughput: --num-prompts "
                              "prompts per iteration, batch-size at a time")
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1], metavar="B")
-    parser.add_argument("--input-len", type=int, default=32)
+    _add_prompt_file_flags(parser)
+    parser.add_argument("--input-len", type=int, default=32, help="random prompts' length (without --input)")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-prompts", type=int, default=64, help="throughput mode: prompts per iteration")
     parser.add_argument("--num-iters-warmup", type=int, default=2)
@@ -348,9 +341,10 @@ def _bench_parser(commands) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
+    records = read_prompts([], args.input, chat=args.chat) if args.input else None
     ks, batches = sorted(set(args.num_speculative_tokens)), sorted(set(args.batch_size))
-    if min(ks) < 0 or min(batches) < 1:
-        raise ValueError("--num-speculative-tokens must be >= 0 (0: plain) and --batch-size >= 1")
+    if min(ks) < 0 or min(batches) < 1 or args.num_iters < 1:
+        raise ValueError("--num-speculative-tokens must be >= 0 (0: plain), --batch-size and --num-iters >= 1")
     if args.plot and 0 not in ks:
         raise ValueError("--plot shows the speedup over plain decoding: include 0 in --num-speculative-tokens")
     runs = len(ks) * len(batches) * (args.num_iters_warmup + args.num_iters)
@@ -359,11 +353,11 @@ def run_bench(args: argparse.Namespace) -> int:
         for k in ks:
             spec = speculative_config(args, num_speculative_tokens=k) if k else None
             for batch in batches:
-                results.append(bench_cell(args, spec, k, batch, bar.update))
+                results.append(bench_cell(args, records, spec, k, batch, bar.update))
     _add_speedups(results)
-    summary = {"mode": args.mode, "model": args.model, "input_len": args.input_len,
+    summary = {"mode": args.mode, "model": args.model, "input": args.input, "input_len": args.input_len,
                "output_len": args.output_len, "results": results}
-    print(json.dumps([_headline(r) for r in results], indent=1))
+    print_table(results)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(summary, indent=2) + "\n")
     if args.plot:
@@ -373,7 +367,8 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench_cell(args: argparse.Namespace, spec: dict | None, k: int, batch: int, tick: Callable[[], Any]) -> dict:
+def bench_cell(args: argparse.Namespace, records: list[dict] | None, spec: dict | None, k: int, batch: int,
+               tick: Callable[[], Any]) -> dict:
     """Warm-up then timed iterations of one (k, batch size) setting on a fresh LLM."""
     import numpy as np
 
@@ -381,13 +376,16 @@ def bench_cell(args: argparse.Namespace, spec: dict | None, k: int, batch: int, 
     llm = load_llm(args, spec)
     params = sampling_params(llm, args, max_tokens=args.output_len, ignore_eos=True)
     count = batch if args.mode == "latency" else args.num_prompts
-    ids = np.random.default_rng(args.seed).integers(0, min(10000, len(llm.get_tokenizer())),
-                                                    (count, args.input_len))
-    prompts = [{"prompt_token_ids": row.tolist()} for row in ids]
+    if records is None:
+        ids = np.random.default_rng(args.seed).integers(0, min(10000, len(llm.get_tokenizer())),
+                                                        (count, args.input_len))
+        prompts = [{"prompt_token_ids": row.tolist()} for row in ids]
+    else:
+        prompts = [records[i % len(records)] for i in range(count)]
     seconds, tokens = [], 0
     for iteration in range(args.num_iters_warmup + args.num_iters):
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = generate_records(llm, prompts, params, use_tqdm=False)
         if iteration >= args.num_iters_warmup:
             seconds.append(time.perf_counter() - start)
             tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -408,9 +406,14 @@ def _add_speedups(results: list[dict]) -> None:
         r["speedup"] = base / r["median_latency"] if base else None
 
 
-def _headline(r: dict) -> dict:
-    keys = ("k", "batch_size", "median_latency", "tokens_per_second", "speedup", "mean_acceptance_length")
-    return {key: r[key] for key in keys}
+def print_table(results: list[dict]) -> None:
+    print(f"{'k':>3s} {'batch':>5s} {'median s':>9s} {'p90 s':>8s} {'tokens/s':>9s} {'speedup':>8s} "
+          f"{'acceptance length':>18s}")
+    for r in results:
+        speedup = "" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        length = "" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
+        print(f"{r['k']:3d} {r['batch_size']:5d} {r['median_latency']:9.3f} {r['percentiles']['90']:8.3f} "
+              f"{r['tokens_per_second']:9.1f} {speedup:>8s} {length:>18s}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -81,7 +81,8 @@ def test_prompts_from_arguments_text_files_and_json_lines(tmp_path, monkeypatch)
     text.write_text("first line\n\n{\"prompt_token_ids\": [1, 2]}\n{\"messages\": [{\"role\": \"user\", "
                     "\"content\": \"hi\"}]}\n")
     records = cli.read_prompts(["an argument"], str(text), chat=True)
-    assert records == [{"messages": [{"role": "user", "content": "an argument"}]}, {"prompt": "first line"},
+    assert records == [{"messages": [{"role": "user", "content": "an argument"}]},
+                       {"messages": [{"role": "user", "content": "first line"}]},
                        {"prompt_token_ids": [1, 2]}, {"messages": [{"role": "user", "content": "hi"}]}]
     monkeypatch.setattr(sys, "stdin", io.StringIO("from stdin\n"))
     assert cli.read_prompts([], None, chat=False) == [{"prompt": "from stdin"}]
@@ -172,13 +173,16 @@ def test_bench_latency_and_throughput(tiny_chat_model, tmp_path, capsys):
                                              / r["median_latency"])
     assert [r["mean_acceptance_length"] is None for r in results] == [True, True, False, False]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    throughput = tmp_path / "throughput.json"
+    throughput, questions = tmp_path / "throughput.json", tmp_path / "questions.txt"
+    questions.write_text("What is 2+2?\nName a colour.\n")   # cycled to --num-prompts
     assert cli.main(["bench", "throughput", *common, "--batch-size", "2", "--num-speculative-tokens", "2",
-                     "--num-prompts", "3", "--output-json", str(throughput)]) == 0
+                     "--num-prompts", "3", "--input", str(questions), "--chat",
+                     "--output-json", str(throughput)]) == 0
     (cell,) = json.loads(throughput.read_text())["results"]
     assert cell["output_tokens"] == 3 * 8 and cell["speedup"] is None
     assert cell["requests_per_second"] == pytest.approx(3 / cell["median_latency"])
-    assert "tokens_per_second" in capsys.readouterr().out
+    table = capsys.readouterr().out.splitlines()
+    assert "tokens/s" in table[-2] and table[-1].split()[:2] == ["2", "2"]
 
 
 def test_bench_plot_needs_the_plain_baseline(capsys):
