@@ -62,6 +62,7 @@ def speedup(results: Sequence[Mapping[str, Any]], *, title: str = "Speedup over 
         points.sort()
         ax.plot([k for k, _ in points], [s for _, s in points], marker="o", label=f"batch {batch}")
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_xticks(sorted({k for points in by_batch.values() for k, _ in points}))
     ax.set(xlabel="speculative tokens k (0: plain)", ylabel="speedup", title=title)
     ax.legend()
     return _finish(figure, path)

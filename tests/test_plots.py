@@ -46,7 +46,9 @@ def test_acceptance_length_histogram_counts_every_completion():
 def test_speedup_draws_a_line_per_batch_size_with_a_point_per_k():
     rows = [{"k": k, "batch_size": b, "speedup": s}
             for b, speedups in ((8, (1.0, 0.9, 0.7)), (1, (1.0, 1.5, 1.8))) for k, s in zip((4, 0, 2), speedups)]
-    lines = plots.speedup(rows).axes[0].get_lines()
+    ax = plots.speedup(rows).axes[0]
+    assert list(ax.get_xticks()) == [0, 2, 4]
+    lines = ax.get_lines()
     curves = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in lines
               if line.get_label().startswith("batch")}   # not the y=1 reference line
     assert curves == {"batch 1": ([0, 2, 4], [1.5, 1.8, 1.0]), "batch 8": ([0, 2, 4], [0.9, 0.7, 1.0])}
