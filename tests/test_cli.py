@@ -202,7 +202,7 @@ def test_train_delegates_to_the_training_pipeline(tiny_chat_model, tmp_path):
     head, work = tmp_path / "head", tmp_path / "work"
     assert cli.main(["train", "--target", str(tiny_chat_model), "--prompts", str(prompts), "--out", str(head),
                      "--work", str(work), "--num-train", "4", "--num-heldout", "2", "--num-eval", "1",
-                     "--max-new-tokens", "6", "--max-model-len", "128", "--generate-batch", "2",
+                     "--max-new-tokens", "6", "--max-model-len", "128", "--generate-batch", "4",
                      "--draft-vocab-size", "64", "--steps", "2", "--log-every", "1",
                      "--tokens-per-batch", "512"]) == 0
     assert json.loads((head / "config.json").read_text())["draft_vocab_size"] == 64
