@@ -2,17 +2,25 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-$(VENV)/.installed: pyproject.toml
+$(PY):
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
+
+# The demo needs the package alone: no test extras, no torch (transformers only tokenizes here).
+$(VENV)/.demo-installed: pyproject.toml | $(PY)
+	@echo "installing specjax and its dependencies into $(VENV) (first run only)"
+	$(PY) -m pip install --progress-bar on -e .
 	touch $@
 
-.PHONY: demo test install
-install: $(VENV)/.installed
+# The tests add torch (CPU; the reference they compare against), the notebook runner and matplotlib.
+$(VENV)/.test-installed: pyproject.toml | $(PY)
+	@echo "installing specjax with its test extras into $(VENV) (first run only)"
+	$(PY) -m pip install --progress-bar on -e ".[test]"
+	touch $@
 
-demo: $(VENV)/.installed
+.PHONY: demo test
+demo: $(VENV)/.demo-installed
 	$(PY) -m specjax.demo
 
-test: $(VENV)/.installed
+test: $(VENV)/.test-installed
 	$(PY) -m pytest -q tests

@@ -1,0 +1,4 @@
+"""`python -m specjax ...`: the `specjax` command (see specjax.cli)."""
+from specjax.cli import main
+
+raise SystemExit(main())

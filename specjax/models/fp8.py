@@ -1,0 +1,73 @@
+"""FP8 (e4m3) block-quantized weights, DeepSeek-V3's checkpoint format: a float8_e4m3fn matrix and a float32
+`weight_scale_inv` with one entry per block (128 x 128 in real checkpoints), so that
+    W[block] = W_fp8[block] * scale_inv[block]
+and scale_inv = amax(|W[block]|) / 448 (448: e4m3's largest finite value). Edge blocks (a dim not a multiple of
+the block) cover what is left; scale_inv has shape [ceil(rows / block_rows), ceil(cols / block_cols)].
+
+`quantize_blocks` and `dequantize_blocks` work on any 2-D orientation: HF stores [out, in] with a scale grid
+[ceil(out/128), ceil(in/128)]. `fp8_matmul` takes the weight in specjax's [in, out] orientation, i.e. the HF matrix
+and its scale grid both transposed (as loaders transpose every matrix).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+FP8_BLOCK = (128, 128)
+E4M3_MAX = 448.0
+
+
+def quantize_blocks(w: jax.Array, block: tuple[int, int] = FP8_BLOCK) -> tuple[jax.Array, jax.Array]:
+    """(w_fp8 [R, C] float8_e4m3fn, scale_inv [ceil(R/br), ceil(C/bc)] float32) of a 2-D weight; an all-zero block
+    gets scale 1. XLA divides by multiplying with a rounded reciprocal, so a scale may be an ulp off an IEEE
+    division's (and, rarely, a code one e4m3 step off); checkpoints to be compared bit for bit are made on host."""
+    blocks = _blocks(w.astype(jnp.float32), block)                       # [Rb, br, Cb, bc]
+    amax = jnp.abs(blocks).max(axis=(1, 3))
+    scale_inv = jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(jnp.float32)
+    scaled = jnp.clip(blocks / scale_inv[:, None, :, None], -E4M3_MAX, E4M3_MAX)
+    return _unblock(scaled, w.shape).astype(jnp.float8_e4m3fn), scale_inv
+
+
+def dequantize_blocks(w_fp8: jax.Array, scale_inv: jax.Array, block: tuple[int, int] = FP8_BLOCK,
+                      dtype=jnp.float32) -> jax.Array:
+    """W_fp8 * scale_inv per block, as `dtype`, for either orientation (the scale grid matching the matrix)."""
+    blocks = _blocks(w_fp8, block).astype(jnp.float32) * scale_inv[:, None, :, None]
+    return _unblock(blocks, w_fp8.shape).astype(dtype)
+
+
+def fp8_matmul(x: jax.Array, w_fp8: jax.Array, scale_inv: jax.Array,
+               block: tuple[int, int] = FP8_BLOCK) -> jax.Array:
+    """x [..., in] @ W for W [in, out] stored as float8 with scale_inv [ceil(in/b_in), ceil(out/b_out)], in x's dtype.
+
+    Fewer tokens than b_in: the scales go on the partial products, not on the weight. The fp8 weight, viewed as
+    blocks, is converted to x's dtype inside the contraction (the only weight-sized operation, one XLA may fuse
+    into the matmul), each block's fp32 partial product is multiplied by that block's scale and the partials are
+    summed. The partials hold tokens x in/b_in x out values; from b_in tokens on they would outgrow a dequantized
+    weight (in x out), so there the weight is dequantized to x's dtype and one matmul follows."""
+    tokens = math.prod(x.shape[:-1])
+    if tokens >= block[0]:
+        return jnp.matmul(x, dequantize_blocks(w_fp8, scale_inv, block, x.dtype),
+                          preferred_element_type=jnp.float32).astype(x.dtype)
+    (rows, cols), block_in = w_fp8.shape, block[0]
+    padded_in = -(-rows // block_in) * block_in
+    x_blocks = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded_in - rows)])
+    x_blocks = x_blocks.reshape(*x.shape[:-1], padded_in // block_in, block_in)      # [..., Ib, bi]
+    w_blocks = _blocks(w_fp8, block).astype(x.dtype)                                   # [Ib, bi, Ob, bo]
+    partial = jnp.einsum("...ic,icoj->...ioj", x_blocks, w_blocks, preferred_element_type=jnp.float32)
+    out = jnp.einsum("...ioj,io->...oj", partial, scale_inv)
+    return out.reshape(*x.shape[:-1], -1)[..., :cols].astype(x.dtype)
+
+
+def _blocks(w: jax.Array, block: tuple[int, int]) -> jax.Array:
+    """w [R, C] zero-padded to whole blocks and viewed as [R/br, br, C/bc, bc]."""
+    (rows, cols), (block_rows, block_cols) = w.shape, block
+    padded = jnp.pad(w, ((0, -rows % block_rows), (0, -cols % block_cols)))
+    return padded.reshape(padded.shape[0] // block_rows, block_rows, padded.shape[1] // block_cols, block_cols)
+
+
+def _unblock(blocks: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """The [R, C] matrix back out of `_blocks`' view, padding dropped."""
+    rows_blocks, block_rows, cols_blocks, block_cols = blocks.shape
+    return blocks.reshape(rows_blocks * block_rows, cols_blocks * block_cols)[:shape[0], :shape[1]]

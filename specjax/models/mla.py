@@ -1,0 +1,185 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a latent KV cache, in two equal forms.
+
+Per token the cache keeps one row shared by all heads: [c_kv (kv_lora_rank, RMS-normalised) ; k_rope
+(qk_rope_head_dim, rotated)], in one array [L, B, S, kv_lora_rank + qk_rope_head_dim] whose slot index is the
+absolute position. One array rather than two because the weight-absorbed form is then plain multi-query
+attention with a single K head of that width whose first kv_lora_rank columns are also V (FlashMLA's 576-wide
+layout): one write and one read per layer. Under tensor parallelism the rows are head-independent, so the cache is
+replicated while the heads (w_uk, w_uv, the q projection's columns, wo's rows) are split.
+
+Weights (a dict; matrices stored [in, out], the transpose of HF's [out, in] nn.Linear weights):
+  wq     [hidden, H * (nope + rope)]          q_proj, when q_lora_rank is null (V2-Lite); otherwise
+  wq_a   [hidden, q_lora_rank]                q_a_proj
+  q_norm [q_lora_rank]                        q_a_layernorm
+  wq_b   [q_lora_rank, H * (nope + rope)]     q_b_proj; per head [q_nope ; q_rope]
+  wkv_a  [hidden, kv_lora_rank + rope]        kv_a_proj_with_mqa; [c_kv ; k_rope]
+  kv_norm [kv_lora_rank]                      kv_a_layernorm (c_kv only)
+  w_uk   [H, kv_lora_rank, nope]              kv_b_proj's key rows, per head, [in, out] (`split_kv_b`)
+  w_uv   [H, kv_lora_rank, v]                 kv_b_proj's value rows, per head, [in, out]
+  wo     [H * v, hidden]                      o_proj
+Head counts and widths are read off these shapes. attention_bias (biases on q_a/kv_a/o) is not supported: no
+DeepSeek checkpoint sets it.
+
+Expanded form (`expanded_attention`): the latent rows are up-projected to per-head keys [k_nope ; k_rope] (width
+nope + rope) and values (width v), then ordinary attention; what transformers computes, and the form to use where
+queries outnumber cached tokens per head (prefill). Absorbed form (`absorbed_attention`): W_UK moves into the query
+(q_lat = q_nope W_UK^T per head), scores are q_lat·c_kv + q_rope·k_rope straight against the cache, the
+probabilities average c_kv, and W_UV maps the result to v per head; it reads only the latent rows (decode, verify).
+Both use the engine's causal convention (specjax.kernels.attention_reference): query t of row b sits at position
+start[b] + t and sees slots <= start[b] + t; slots past the last one this call wrote may hold garbage (NaN) and
+are zeroed before use; long query blocks run in chunks of QUERY_CHUNK.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from specjax.kernels.attention_reference import QUERY_CHUNK
+from specjax.kernels.projection_reference import rms_norm
+
+# transformers and DeepSeek's reference build q_a_layernorm and kv_a_layernorm with their default eps, not
+# config.rms_norm_eps (which only reaches the decoder-layer norms).
+LATENT_NORM_EPS = 1e-6
+
+Rotation = Callable[[jax.Array, jax.Array], jax.Array]   # (x [B, T, H, D], positions [B, T]) -> rotated x
+
+
+def split_kv_b(kv_b_weight, num_heads: int, nope_dim: int, v_dim: int):
+    """w_uk [H, R, nope] and w_uv [H, R, v] out of HF's kv_b_proj.weight [H * (nope + v), R], whose rows are
+    head-major with [k_nope ; v] per head. Works on numpy and JAX arrays alike (loaders call it on host)."""
+    rank = kv_b_weight.shape[1]
+    per_head = kv_b_weight.reshape(num_heads, nope_dim + v_dim, rank)
+    return per_head[:, :nope_dim].transpose(0, 2, 1), per_head[:, nope_dim:].transpose(0, 2, 1)
+
+
+def project_query(x: jax.Array, weights: dict) -> tuple[jax.Array, jax.Array]:
+    """q_nope [B, T, H, nope] and the not yet rotated q_rope [B, T, H, rope] of hidden states x [B, T, hidden]:
+    q_proj, or q_a_proj -> q_a_layernorm -> q_b_proj when the weights hold the low-rank pair."""
+    if "wq" in weights:
+        q = x @ weights["wq"]
+    else:
+        q = rms_norm(x @ weights["wq_a"], weights["q_norm"], LATENT_NORM_EPS) @ weights["wq_b"]
+    num_heads, _, nope = weights["w_uk"].shape
+    q = q.reshape(*x.shape[:-1], num_heads, -1)
+    return q[..., :nope], q[..., nope:]
+
+
+def project_latent(x: jax.Array, weights: dict) -> tuple[jax.Array, jax.Array]:
+    """c_kv [B, T, R] (normalised by kv_a_layernorm) and the not yet rotated shared k_rope [B, T, rope]."""
+    latent = x @ weights["wkv_a"]
+    rank = weights["kv_norm"].shape[0]
+    return rms_norm(latent[..., :rank], weights["kv_norm"], LATENT_NORM_EPS), latent[..., rank:]
+
+
+def init_latent_cache(num_layers: int, batch: int, max_len: int, width: int, dtype) -> jax.Array:
+    """An empty latent cache [L, B, S, width], width = kv_lora_rank + qk_rope_head_dim."""
+    return jnp.zeros((num_layers, batch, max_len, width), dtype)
+
+
+def write_latent(cache: jax.Array, layer: jax.Array | int, rows: jax.Array, start: jax.Array) -> jax.Array:
+    """Write rows [B, T, width] into layer `layer` of cache [L, B, S, width] at slots start[b] .. start[b] + T - 1.
+
+    One scatter of B windows [T, width] indexed over the cache's leading dims (layer, row, slot) in order, the
+    form XLA updates in place. Slots are clamped so a window fits; callers keep start + T <= S."""
+    batch = rows.shape[0]
+    indices = jnp.stack([jnp.full((batch,), layer, jnp.int32), jnp.arange(batch, dtype=jnp.int32),
+                         start.astype(jnp.int32)], axis=-1)
+    numbers = lax.ScatterDimensionNumbers(update_window_dims=(1, 2), inserted_window_dims=(0, 1),
+                                          scatter_dims_to_operand_dims=(0, 1, 2))
+    return lax.scatter(cache, indices, rows.astype(cache.dtype), numbers, indices_are_sorted=True,
+                       unique_indices=True, mode=lax.GatherScatterMode.CLIP)
+
+
+def absorbed_attention(q_nope: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: jax.Array | int,
+                       start: jax.Array, w_uk: jax.Array, w_uv: jax.Array, *, scale: float) -> jax.Array:
+    """Per-head outputs [B, T, H, v] of queries (q_nope [B, T, H, nope], rotated q_rope [B, T, H, rope]) against
+    the latent cache, with W_UK absorbed into the queries and W_UV applied after the average over c_kv."""
+    def attend(queries, latent, first_position):
+        nope, rope = queries
+        rank = w_uk.shape[1]
+        q = jnp.concatenate([jnp.einsum("bthn,hrn->bthr", nope, w_uk), rope], axis=-1)   # [B, T, H, R + rope]
+        logits = jnp.einsum("bthd,bsd->bhts", q, latent, preferred_element_type=jnp.float32) * scale
+        probs = _causal_softmax(logits, first_position)
+        out_latent = jnp.einsum("bhts,bsr->bthr", probs, latent[..., :rank].astype(jnp.float32))
+        return jnp.einsum("bthr,hrv->bthv", out_latent.astype(nope.dtype), w_uv)
+
+    return _latent_attention(attend, q_nope, q_rope, cache, layer, start)
+
+
+def expanded_attention(q_nope: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: jax.Array | int,
+                       start: jax.Array, w_uk: jax.Array, w_uv: jax.Array, *, scale: float) -> jax.Array:
+    """`absorbed_attention`'s result computed the naive way: every cached row up-projected to per-head k_nope
+    and v, then attention with key width nope + rope (the shared k_rope joins every head) and value width v."""
+    def attend(queries, latent, first_position):
+        nope, rope = queries
+        rank = w_uk.shape[1]
+        k_nope = jnp.einsum("bsr,hrn->bshn", latent[..., :rank], w_uk)
+        values = jnp.einsum("bsr,hrv->bshv", latent[..., :rank], w_uv)
+        logits = (jnp.einsum("bthn,bshn->bhts", nope, k_nope, preferred_element_type=jnp.float32)
+                  + jnp.einsum("bthp,bsp->bhts", rope, latent[..., rank:], preferred_element_type=jnp.float32))
+        probs = _causal_softmax(logits * scale, first_position)
+        return jnp.einsum("bhts,bshv->bthv", probs, values.astype(jnp.float32)).astype(nope.dtype)
+
+    return _latent_attention(attend, q_nope, q_rope, cache, layer, start)
+
+
+def _latent_attention(attend, q_nope: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: jax.Array | int,
+                      start: jax.Array) -> jax.Array:
+    """attend((q_nope, q_rope), latent [B, S, W], first_position [B]) on layer `layer` of the cache, with the
+    slots this call did not reach zeroed (a zero probability times NaN garbage would poison the sums), over
+    query chunks of QUERY_CHUNK tokens when there are more (bounds the [B, H, T, S] logits)."""
+    latent = lax.dynamic_index_in_dim(cache, layer, axis=0, keepdims=False)
+    num_tokens = q_nope.shape[1]
+    start = start.astype(jnp.int32)
+    written = jnp.arange(latent.shape[1], dtype=jnp.int32)[None, :] < (start + num_tokens)[:, None]
+    latent = jnp.where(written[..., None], latent, jnp.zeros((), latent.dtype))
+    if num_tokens <= QUERY_CHUNK:
+        return attend((q_nope, q_rope), latent, start)
+    return _in_query_chunks(attend, (q_nope, q_rope), latent, start)
+
+
+def _in_query_chunks(attend, queries: tuple[jax.Array, ...], latent: jax.Array, start: jax.Array) -> jax.Array:
+    """attend over consecutive chunks of QUERY_CHUNK query tokens (each query array is [B, T, ...])."""
+    num_tokens = queries[0].shape[1]
+    num_chunks = -(-num_tokens // QUERY_CHUNK)
+
+    def chunked(q):
+        padded = jnp.pad(q, [(0, 0), (0, num_chunks * QUERY_CHUNK - num_tokens)] + [(0, 0)] * (q.ndim - 2))
+        return padded.reshape(q.shape[0], num_chunks, QUERY_CHUNK, *q.shape[2:]).swapaxes(0, 1)
+
+    offsets = jnp.arange(num_chunks, dtype=jnp.int32) * QUERY_CHUNK
+    out = lax.map(lambda chunk: attend(chunk[0], latent, start + chunk[1]),
+                  (tuple(chunked(q) for q in queries), offsets))
+    batch, per_token = out.shape[1], out.shape[3:]   # out: [chunks, B, QUERY_CHUNK, ...]
+    return out.swapaxes(0, 1).reshape(batch, num_chunks * QUERY_CHUNK, *per_token)[:, :num_tokens]
+
+
+def _causal_softmax(logits: jax.Array, first_position: jax.Array) -> jax.Array:
+    """Softmax in fp32 of logits [B, H, T, S] over the slots each query may see (slot <= first_position[b] + t)."""
+    num_tokens, num_slots = logits.shape[2:]
+    positions = first_position[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+    visible = jnp.arange(num_slots, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+    return jax.nn.softmax(jnp.where(visible[:, None], logits.astype(jnp.float32), -jnp.inf), axis=-1)
+
+
+def mla_attention(x: jax.Array, weights: dict, cache: jax.Array, layer: jax.Array | int, start: jax.Array, *,
+                  rotate: Rotation, scale: float, absorbed: bool) -> tuple[jax.Array, jax.Array]:
+    """One MLA layer on hidden states x [B, T, hidden] at positions start[b] + t: its T latent rows written into
+    the cache, then attention in the absorbed or expanded form, then o_proj. Returns (out [B, T, hidden], cache).
+
+    `rotate` applies the rope (e.g. functools.partial(rope.apply_rope, inv_freq=..., interleaved=True,
+    attention_factor=...)) to q's rope part and to the one shared k_rope head; `scale` is the softmax scale
+    (rope.yarn_softmax_scale)."""
+    batch, num_tokens = x.shape[:2]
+    positions = start.astype(jnp.int32)[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+    q_nope, q_rope = project_query(x, weights)
+    c_kv, k_rope = project_latent(x, weights)
+    q_rope = rotate(q_rope, positions)
+    k_rope = rotate(k_rope[:, :, None, :], positions)[:, :, 0, :]
+    cache = write_latent(cache, layer, jnp.concatenate([c_kv, k_rope], axis=-1), start)
+    attention = absorbed_attention if absorbed else expanded_attention
+    heads = attention(q_nope, q_rope, cache, layer, start, weights["w_uk"], weights["w_uv"], scale=scale)
+    return heads.reshape(batch, num_tokens, -1) @ weights["wo"], cache
