@@ -26,6 +26,8 @@ OUTPUT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes
                  "float16": np.dtype(np.float16)}
 VOCABULARY_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
                      "tokenizer.ggml.scores")
+SPECIAL_TOKEN_FIELDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                        "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 BLOCK_TENSORS = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -54,7 +56,7 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str
                   metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(_generation_config(config), indent=2) + "\n")
-        save_tokenizer(gguf_path, meta, tmp)
+        save_tokenizer(reader, meta, tmp)
         tmp.chmod(0o755)   # mkdtemp makes it private
         tmp.rename(out_dir)
     except BaseException:
@@ -181,12 +183,20 @@ def unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(weights.shape)
 
 
-def save_tokenizer(gguf_path: Path, meta: dict[str, Any], out_dir: Path) -> None:
-    """Rebuild the fast tokenizer from the GGUF vocabulary with transformers, and store the chat template."""
-    from transformers import AutoTokenizer
+def save_tokenizer(reader: GGUFReader, meta: dict[str, Any], out_dir: Path) -> None:
+    """Rebuild the fast tokenizer from the GGUF vocabulary with transformers' GGUF tokenizer builders, fed the
+    metadata read here (transformers' own GGUF reader needs torch, which loading a model does not), and
+    store the chat template."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    tokenizer.save_pretrained(out_dir)
+    fields = {**meta, **{name: reader.fields[name].contents() for name in VOCABULARY_FIELDS if name in reader.fields}}
+    tokenizer_dict = {ours: fields[f"tokenizer.{key}"] for key, ours in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+                      if f"tokenizer.{key}" in fields}
+    backend, extra = convert_gguf_tokenizer(meta["general.architecture"], tokenizer_dict)
+    specials = {name: tokenizer_dict["tokens"][fields[key]] for name, key in SPECIAL_TOKEN_FIELDS.items()
+                if key in fields}
+    PreTrainedTokenizerFast(tokenizer_object=backend, **specials, **extra).save_pretrained(out_dir)
     config_file = out_dir / "tokenizer_config.json"
     tok_config = json.loads(config_file.read_text())
     for key in ("is_local", "local_files_only", "name_or_path"):

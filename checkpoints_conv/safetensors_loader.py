@@ -13,13 +13,16 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import jax
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from specjax.models.weight_map import LeafSpec, interleave_columns
+from specjax.models.weight_map import LeafSpec
 from specjax.parallel.plan import nest_paths, path_keys
 
 INDEX_FILE = "model.safetensors.index.json"
+# safetensors dtype names read from the raw bytes (its numpy backend has no such dtype).
+RAW_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2)}
 # (HF tensor name, the shape the weight map expects) -> the tensor.
 TensorReader = Callable[[str, tuple[int, ...]], np.ndarray]
 
@@ -90,32 +93,44 @@ def _open(path: Path, stack: contextlib.ExitStack):
 
 
 def _read_tensor(handle, path: Path, name: str, expected: tuple[int, ...]) -> np.ndarray:
-    got = tuple(handle.get_slice(name).get_shape())
+    tensor = handle.get_slice(name)
+    got = tuple(tensor.get_shape())
     if got != expected:
         raise ValueError(f"tensor {name!r} in {path} has shape {got}, expected {expected} from config.json; "
                          "the weights and config.json do not belong together")
     try:
+        if tensor.get_dtype() in RAW_DTYPES:
+            return _read_raw(path, name, RAW_DTYPES[tensor.get_dtype()])
         return handle.get_tensor(name)
     except SafetensorError as err:
         raise ValueError(f"cannot read tensor {name!r} from {path} ({err}); the file is corrupt") from err
 
 
+def _read_raw(path: Path, name: str, dtype: np.dtype) -> np.ndarray:
+    """A tensor whose dtype safetensors' numpy backend cannot build (float8), viewed straight from the file: an
+    8-byte little-endian header length, the JSON header (data_offsets from the end of the header), the data."""
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(header_len))[name]
+    begin, end = entry["data_offsets"]
+    data = np.memmap(path, np.uint8, "r", offset=8 + header_len + begin, shape=(end - begin,))
+    return np.asarray(data).view(dtype).reshape(entry["shape"])
+
+
 def _fill_leaf(spec: LeafSpec, read: TensorReader, dtype: np.dtype) -> np.ndarray:
     """One host buffer for the leaf, filled layer by layer (assignment casts in place)."""
-    buffer = np.empty(spec.shape, dtype)
+    buffer = np.empty(spec.shape, np.dtype(spec.dtype) if spec.dtype else dtype)
     if not spec.stacked:
-        buffer[...] = _read_fused(spec, read, {})
+        buffer[...] = _read_layer(spec, read, {})
         return buffer
-    for i in range(spec.shape[0]):
-        buffer[i] = _read_fused(spec, read, {"i": i})
+    for row, layer in enumerate(spec.layers()):
+        buffer[row] = _read_layer(spec, read, {"i": layer})
     return buffer
 
 
-def _read_fused(spec: LeafSpec, read: TensorReader, fields: dict) -> np.ndarray:
-    """The leaf's tensors for one layer, transposed to [in, out] and interleaved when fused."""
-    parts = [read(name.format(**fields), shape) for name, shape in zip(spec.hf_names, spec.hf_shapes())]
-    parts = [part.T if spec.transpose else part for part in parts]
-    return parts[0] if len(parts) == 1 else interleave_columns(parts, spec.groups)
+def _read_layer(spec: LeafSpec, read: TensorReader, fields: dict) -> np.ndarray:
+    """The leaf's tensors for one layer, assembled as its spec says (transposed to [in, out], fused, ...)."""
+    return spec.assemble([read(name.format(**fields), shape) for name, shape in zip(spec.hf_names, spec.hf_shapes())])
 
 
 def sharding_at(shardings: dict | None, path: str) -> Any:

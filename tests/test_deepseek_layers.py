@@ -27,9 +27,7 @@ from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2
 from transformers.models.deepseek_v3 import configuration_deepseek_v3
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
-from checkpoints_conv.fused_columns import interleave_columns
 from specjax.models import fp8, mla, moe, rope
-from specjax.models.layers import rope_inv_freq as llama_rope_inv_freq
 
 REL_TOL = 1e-5
 MLA_VARIANTS = ("v3", "v3_dense3_no_q_lora", "v3_one_group_rotate_half", "v2_lite", "v2_group_limited")
@@ -94,8 +92,6 @@ def test_inv_freq_and_attention_factor_match_transformers(case):
     np.testing.assert_allclose(inv_freq, rotary.inv_freq.numpy(), rtol=1e-6, atol=0)
     assert rope.rope_attention_factor(params, max_position_embeddings=MAX_POSITIONS) == pytest.approx(
         rotary.attention_scaling, rel=1e-12)
-    if params["rope_type"] != "yarn":   # the Llama family's table, which rope.py takes over
-        np.testing.assert_array_equal(inv_freq, llama_rope_inv_freq(head_dim, params["rope_theta"], params))
 
 
 @pytest.mark.parametrize("case", [name for name, (_, p) in ROPE_CASES.items() if "factor" not in p or p["factor"]])
@@ -331,13 +327,10 @@ def moe_weights(block, config) -> dict[str, jax.Array]:
     sd = as_numpy(block)
     inter = config.moe_intermediate_size
     gate_up = sd["experts.gate_up_proj"]                                 # [E, 2I, H], gate rows first
-    gate, up = gate_up[:, :inter].transpose(0, 2, 1), gate_up[:, inter:].transpose(0, 2, 1)
-    shared = inter * config.n_shared_experts
-    weights = {"w_router": sd["gate.weight"].T, "w_gate_up": interleave_columns([gate, up], inter),
-               "w_down": sd["experts.down_proj"].transpose(0, 2, 1),
-               "w_shared_gate_up": interleave_columns([sd["shared_experts.gate_proj.weight"].T,
-                                                       sd["shared_experts.up_proj.weight"].T], shared),
-               "w_shared_down": sd["shared_experts.down_proj.weight"].T}
+    weights = {"w_router": sd["gate.weight"].T, "we_gate": gate_up[:, :inter].transpose(0, 2, 1),
+               "we_up": gate_up[:, inter:].transpose(0, 2, 1), "we_down": sd["experts.down_proj"].transpose(0, 2, 1),
+               "ws_gate": sd["shared_experts.gate_proj.weight"].T, "ws_up": sd["shared_experts.up_proj.weight"].T,
+               "ws_down": sd["shared_experts.down_proj.weight"].T}
     if "gate.e_score_correction_bias" in sd:
         weights["router_bias"] = sd["gate.e_score_correction_bias"]
     return {name: jnp.asarray(w) for name, w in weights.items()}
@@ -413,11 +406,12 @@ def test_gathered_experts_read_only_the_selected_slices():
     ids, routing_weights = moe.route(x, weights["w_router"], weights["router_bias"], routing_of(config))
     k = ids.shape[1]
 
+    experts = {name: weights[name] for name in ("we_gate", "we_up", "we_down")}
+
     def weight_consumers(form):
-        closed = jax.make_jaxpr(functools.partial(moe.routed_experts, form=form))(
-            x, ids, routing_weights, weights["w_gate_up"], weights["w_down"])
-        gate_up, down = closed.jaxpr.invars[3:]
-        return consumers(closed.jaxpr, gate_up) + consumers(closed.jaxpr, down)
+        closed = jax.make_jaxpr(lambda x, ids, w, experts: moe.routed_experts(x, ids, w, experts, form=form))(
+            x, ids, routing_weights, experts)
+        return [eqn for var in closed.jaxpr.invars[3:] for eqn in consumers(closed.jaxpr, var)]
 
     for eqn in weight_consumers("auto"):
         assert eqn.primitive.name == "gather"

@@ -22,7 +22,7 @@ from specjax.engine.loop import LoopSpec, build_generate
 from specjax.engine.proposers.base import TargetPass
 from specjax.engine.proposers.eagle import EagleProposer
 from specjax.engine.state import RowParams
-from specjax.models.eagle import EagleHead
+from specjax.models.eagle import EagleHead, default_aux_layer_ids
 from specjax.models.llama import FAMILY, LlamaConfig
 
 TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=61, hidden_size=32, intermediate_size=48,
@@ -299,3 +299,8 @@ def test_shared_weights_are_the_targets_arrays(tmp_path, tiny_target):
     assert head.lm_head[...] is tiny_target[1]["embed"][...]
     out = head.logits(jnp.ones((1, 1, 32)))
     np.testing.assert_allclose(out, jnp.ones((1, 1, 32)) @ tiny_target[1]["embed"][...].T, rtol=1e-5)
+
+
+def test_default_aux_layers_are_vllms_and_stay_inside_small_targets():
+    assert default_aux_layer_ids(32) == (2, 16, 29) and default_aux_layer_ids(30) == (2, 15, 27)
+    assert default_aux_layer_ids(2) == (1, 1, 0) and default_aux_layer_ids(1) == (0, 0, 0)

@@ -183,7 +183,7 @@ def test_sampling_filters_through_the_dispatcher_inside_jit():
     np.testing.assert_array_equal(kept, expected)
 
 
-@pytest.mark.skipif("not has_kernels(jax.devices()[0])", reason="needs an NVIDIA sm_80+ GPU")
+@pytest.mark.skipif(not has_kernels(jax.devices()[0]), reason="needs an NVIDIA sm_80+ GPU")
 @pytest.mark.parametrize("config", [SearchConfig(), dispatcher.LARGE_BATCH_CONFIG], ids=["4bit", "2bit"])
 @pytest.mark.parametrize("vocab", [49152, 128256])
 def test_compiled_search_keeps_what_the_sort_keeps_on_the_gpu(vocab, config):

@@ -21,7 +21,6 @@ from specjax.kernels.policy import IMPLS
 # vLLM's offline LLM default; the engine may run fewer rows when fewer prompts are given.
 DEFAULT_MAX_NUM_SEQS = 256
 
-ANY = object()  # marks a no-effect setting that is ignored whatever its value
 # vLLM EngineArgs that tune its CUDA engine (memory manager, scheduler, CUDA graphs, ...):
 # accepted and ignored. Where a non-default value would change the results (quantized
 # weights, a different KV dtype, pipeline stages, LoRA, ...), only the default is accepted.

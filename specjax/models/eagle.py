@@ -39,7 +39,8 @@ from specjax.config.speculative import method_from_head_config
 from specjax.kernels.attention import attention
 from specjax.kernels.policy import KernelPolicy
 from specjax.models.kv_cache import KVCache, write_layer
-from specjax.models.layers import decoder_layer, rms_norm, rope_inv_freq
+from specjax.models.layers import decoder_layer, rms_norm
+from specjax.models.rope import rotary
 from specjax.models.llama import LlamaConfig
 from specjax.models.weight_map import LeafSpec, fused
 
@@ -129,8 +130,9 @@ class EagleConfig:
 
 
 def default_aux_layer_ids(num_target_layers: int) -> tuple[int, ...]:
-    """vLLM's EAGLE-3 default: the residual stream entering layers 2, L // 2 and L - 3."""
-    return (2, num_target_layers // 2, num_target_layers - 3)
+    """vLLM's EAGLE-3 default: the residual stream entering layers 2, L // 2 and L - 3, each clamped to the
+    target's layers (a target of fewer than three layers has no layer 2)."""
+    return tuple(min(max(i, 0), num_target_layers - 1) for i in (2, num_target_layers // 2, num_target_layers - 3))
 
 
 def _aux_layer_ids(d: Mapping[str, Any], num_target_layers: int) -> tuple[int, ...]:
@@ -286,12 +288,13 @@ class EagleHead(nnx.Module):
         else:
             x, residual = self._eagle3_first_input(self.layers[0], embeds, hidden)
             norm = None                      # its two halves are normed already
-        inv_freq = rope_inv_freq(cfg.layers.head_dim, cfg.layers.rope_theta, cfg.layers.rope_scaling)
+        c = cfg.layers
+        rotate = rotary(c.head_dim, c.rope_theta, c.rope_scaling, max_position_embeddings=c.max_position_embeddings)
         for i, layer in enumerate(self.layers):
             w = layer.arrays()
             if i > 0:
                 x, residual, norm = h, h, w["attn_norm"]
-            h = decoder_layer(x, residual, w, cfg.layers, positions, inv_freq,
+            h = decoder_layer(x, residual, w, c, positions, rotate,
                               lambda q, k, v, i=i: attend(i, q, k, v), self.kernels, input_norm=norm)
         if cfg.method == "eagle":
             return h, h

@@ -11,6 +11,7 @@ and its scale grid both transposed (as loaders transpose every matrix).
 from __future__ import annotations
 
 import math
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,31 @@ def fp8_matmul(x: jax.Array, w_fp8: jax.Array, scale_inv: jax.Array,
     partial = jnp.einsum("...ic,icoj->...ioj", x_blocks, w_blocks, preferred_element_type=jnp.float32)
     out = jnp.einsum("...ioj,io->...oj", partial, scale_inv)
     return out.reshape(*x.shape[:-1], -1)[..., :cols].astype(x.dtype)
+
+
+def linear(x: jax.Array, weights: Mapping[str, jax.Array], name: str, block: tuple[int, int] | None) -> jax.Array:
+    """x @ weights[name]: through its block scales `weights[name + "_scale"]` (shape `block`, [in, out]
+    orientation) when the weight is FP8, a plain matmul otherwise."""
+    scale = weights.get(name + "_scale")
+    if scale is None:
+        return x @ weights[name]
+    return fp8_matmul(x, weights[name], scale, block)
+
+
+def dequantize_stack(weights: Mapping[str, jax.Array], name: str, block: tuple[int, int] | None, dtype,
+                     ids: jax.Array | None = None) -> jax.Array:
+    """A stack of matrices weights[name] [..., R, C] (experts), taken at `ids` on the leading axis when given,
+    dequantized to `dtype` through `weights[name + "_scale"]` [..., R/b, C/b] when it is FP8 (only the taken
+    slices are read)."""
+    w, scale = weights[name], weights.get(name + "_scale")
+    if ids is not None:
+        w, scale = w[ids], None if scale is None else scale[ids]
+    if scale is None:
+        return w
+    lead = w.shape[:-2]
+    flat = jax.vmap(lambda m, s: dequantize_blocks(m, s, block, dtype))(w.reshape(-1, *w.shape[-2:]),
+                                                                        scale.reshape(-1, *scale.shape[-2:]))
+    return flat.reshape(*lead, *w.shape[-2:])
 
 
 def _blocks(w: jax.Array, block: tuple[int, int]) -> jax.Array:

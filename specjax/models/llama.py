@@ -23,7 +23,8 @@ from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.prefill_attention import prefill_attention
 from specjax.models.family import ForwardAux
 from specjax.models.kv_cache import KVCache, write_layer
-from specjax.models.layers import decoder_layer, rms_norm, rope_inv_freq
+from specjax.models.layers import decoder_layer, rms_norm
+from specjax.models.rope import rotary
 from specjax.models.weight_map import LeafSpec, fused
 from specjax.parallel.mesh import shards_kv_heads
 from specjax.parallel.plan import PartitionRules
@@ -279,7 +280,8 @@ class LlamaForCausalLM(nnx.Module):
 
     def _layer_fn(self, positions: jax.Array, start: jax.Array, fresh: bool):
         cfg, kernels = self.cfg, self.kernels
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        rotate = rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                        max_position_embeddings=cfg.max_position_embeddings)
         scale = cfg.head_dim ** -0.5
 
         def layer(carry, xs):
@@ -293,7 +295,7 @@ class LlamaForCausalLM(nnx.Module):
                     return prefill_attention(q, k, v, k_cache, v_cache, i, scale=scale, kernels=kernels)
                 return attention(q, k_cache, v_cache, i, start, scale=scale, kernels=kernels)
 
-            out = decoder_layer(h, h, w, cfg, positions, inv_freq, attend, kernels, input_norm=w["attn_norm"])
+            out = decoder_layer(h, h, w, cfg, positions, rotate, attend, kernels, input_norm=w["attn_norm"])
             return (out, k_cache, v_cache), h
 
         return layer

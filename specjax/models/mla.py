@@ -17,8 +17,9 @@ Weights (a dict; matrices stored [in, out], the transpose of HF's [out, in] nn.L
   w_uk   [H, kv_lora_rank, nope]              kv_b_proj's key rows, per head, [in, out] (`split_kv_b`)
   w_uv   [H, kv_lora_rank, v]                 kv_b_proj's value rows, per head, [in, out]
   wo     [H * v, hidden]                      o_proj
-Head counts and widths are read off these shapes. attention_bias (biases on q_a/kv_a/o) is not supported: no
-DeepSeek checkpoint sets it.
+Head counts and widths are read off these shapes. An FP8 checkpoint adds `<name>_scale` block scales beside
+wq / wq_a / wq_b / wkv_a / wo (models/fp8.py `linear`); w_uk and w_uv are dequantized when loaded. attention_bias
+(biases on q_a/kv_a/o) is not supported: no DeepSeek checkpoint sets it.
 
 Expanded form (`expanded_attention`): the latent rows are up-projected to per-head keys [k_nope ; k_rope] (width
 nope + rope) and values (width v), then ordinary attention; what transformers computes, and the form to use where
@@ -39,6 +40,7 @@ from jax import lax
 
 from specjax.kernels.attention_reference import QUERY_CHUNK
 from specjax.kernels.projection_reference import rms_norm
+from specjax.models.fp8 import linear
 
 # transformers and DeepSeek's reference build q_a_layernorm and kv_a_layernorm with their default eps, not
 # config.rms_norm_eps (which only reaches the decoder-layer norms).
@@ -55,21 +57,22 @@ def split_kv_b(kv_b_weight, num_heads: int, nope_dim: int, v_dim: int):
     return per_head[:, :nope_dim].transpose(0, 2, 1), per_head[:, nope_dim:].transpose(0, 2, 1)
 
 
-def project_query(x: jax.Array, weights: dict) -> tuple[jax.Array, jax.Array]:
+def project_query(x: jax.Array, weights: dict, block: tuple[int, int] | None = None) -> tuple[jax.Array, jax.Array]:
     """q_nope [B, T, H, nope] and the not yet rotated q_rope [B, T, H, rope] of hidden states x [B, T, hidden]:
     q_proj, or q_a_proj -> q_a_layernorm -> q_b_proj when the weights hold the low-rank pair."""
     if "wq" in weights:
-        q = x @ weights["wq"]
+        q = linear(x, weights, "wq", block)
     else:
-        q = rms_norm(x @ weights["wq_a"], weights["q_norm"], LATENT_NORM_EPS) @ weights["wq_b"]
+        q = linear(rms_norm(linear(x, weights, "wq_a", block), weights["q_norm"], LATENT_NORM_EPS), weights, "wq_b",
+                   block)
     num_heads, _, nope = weights["w_uk"].shape
     q = q.reshape(*x.shape[:-1], num_heads, -1)
     return q[..., :nope], q[..., nope:]
 
 
-def project_latent(x: jax.Array, weights: dict) -> tuple[jax.Array, jax.Array]:
+def project_latent(x: jax.Array, weights: dict, block: tuple[int, int] | None = None) -> tuple[jax.Array, jax.Array]:
     """c_kv [B, T, R] (normalised by kv_a_layernorm) and the not yet rotated shared k_rope [B, T, rope]."""
-    latent = x @ weights["wkv_a"]
+    latent = linear(x, weights, "wkv_a", block)
     rank = weights["kv_norm"].shape[0]
     return rms_norm(latent[..., :rank], weights["kv_norm"], LATENT_NORM_EPS), latent[..., rank:]
 
@@ -166,20 +169,21 @@ def _causal_softmax(logits: jax.Array, first_position: jax.Array) -> jax.Array:
 
 
 def mla_attention(x: jax.Array, weights: dict, cache: jax.Array, layer: jax.Array | int, start: jax.Array, *,
-                  rotate: Rotation, scale: float, absorbed: bool) -> tuple[jax.Array, jax.Array]:
+                  rotate: Rotation, scale: float, absorbed: bool,
+                  block: tuple[int, int] | None = None) -> tuple[jax.Array, jax.Array]:
     """One MLA layer on hidden states x [B, T, hidden] at positions start[b] + t: its T latent rows written into
     the cache, then attention in the absorbed or expanded form, then o_proj. Returns (out [B, T, hidden], cache).
 
     `rotate` applies the rope (e.g. functools.partial(rope.apply_rope, inv_freq=..., interleaved=True,
     attention_factor=...)) to q's rope part and to the one shared k_rope head; `scale` is the softmax scale
-    (rope.yarn_softmax_scale)."""
+    (rope.yarn_softmax_scale); `block` the FP8 weights' block shape ([in, out] orientation)."""
     batch, num_tokens = x.shape[:2]
     positions = start.astype(jnp.int32)[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
-    q_nope, q_rope = project_query(x, weights)
-    c_kv, k_rope = project_latent(x, weights)
+    q_nope, q_rope = project_query(x, weights, block)
+    c_kv, k_rope = project_latent(x, weights, block)
     q_rope = rotate(q_rope, positions)
     k_rope = rotate(k_rope[:, :, None, :], positions)[:, :, 0, :]
     cache = write_latent(cache, layer, jnp.concatenate([c_kv, k_rope], axis=-1), start)
     attention = absorbed_attention if absorbed else expanded_attention
     heads = attention(q_nope, q_rope, cache, layer, start, weights["w_uk"], weights["w_uv"], scale=scale)
-    return heads.reshape(batch, num_tokens, -1) @ weights["wo"], cache
+    return linear(heads.reshape(batch, num_tokens, -1), weights, "wo", block), cache

@@ -1,44 +1,45 @@
 """DeepSeekMoE: the router (V3 "noaux_tc", V2 "greedy" / "group_limited_greedy") and the routed SwiGLU experts
 in three equal forms, plus the shared experts.
 
-Weights (a dict; matrices stored [in, out]):
-  w_router         [hidden, E] fp32      mlp.gate.weight, transposed (routing stays fp32 whatever the model dtype)
-  router_bias      [E] fp32              mlp.gate.e_score_correction_bias (V3 only; selection only)
-  w_gate_up        [E, hidden, 2I]       experts' gate_proj and up_proj, transposed and fused column by column
-                                         (checkpoints_conv.fused_columns.interleave_columns([gate, up], I)), so
-                                         one grouped matmul makes both and a split of I over devices keeps pairs
-  w_down           [E, I, hidden]        experts' down_proj, transposed
-  w_shared_gate_up [hidden, 2 I_s]       shared_experts' gate/up, same fusion; I_s = moe_intermediate_size *
-  w_shared_down    [I_s, hidden]         n_shared_experts
-The expert axis leads every expert leaf, for expert parallelism.
+Weights (a dict; matrices stored [in, out]; gate and up kept apart, so that FP8 weights keep their 128 x 128
+block scales, and so that a split of the intermediate size over devices keeps gate and up columns together):
+  w_router   [hidden, E] fp32      mlp.gate.weight, transposed (routing stays fp32 whatever the model dtype)
+  router_bias [E] fp32             mlp.gate.e_score_correction_bias (noaux_tc only; selection only)
+  we_gate, we_up [E, hidden, I]    the experts' gate_proj / up_proj, transposed
+  we_down    [E, I, hidden]        the experts' down_proj, transposed
+  ws_gate, ws_up [hidden, I_s]     shared_experts' (I_s = moe_intermediate_size * n_shared_experts)
+  ws_down    [I_s, hidden]
+An FP8 checkpoint adds `<name>_scale` (the block scales, models/fp8.py) beside each matrix; `block` is their block
+shape in the [in, out] orientation. The expert axis leads every expert leaf, for expert parallelism.
 
 Expert forms (`routed_experts`): "dense" runs every expert on every token and combines by routing weight (the
-reference); "grouped" sorts the token-slots by expert and runs two `jax.lax.ragged_dot` grouped matmuls; "gathered"
+reference); "grouped" sorts the token-slots by expert and runs `jax.lax.ragged_dot` grouped matmuls; "gathered"
 gathers the selected experts' weight slices per token-slot and runs batched matvecs, so a step reads only those
-N*k slices. How much "grouped" reads depends on ragged_dot's lowering: on CPU and by default on GPU it is a dense
-masked matmul over all groups; with jax_ragged_dot_use_gpu_pallas_triton_lowering (GPU) it is a grouped GEMM over
-the selected experts. "auto" takes "gathered" while N*k <= E (the gathered slices are then at most all the
-weights; at decode k of E) and "grouped" beyond.
+N*k slices (at decode k of E). How much "grouped" reads depends on ragged_dot's lowering: on CPU and by default
+on GPU a dense masked matmul over all groups; with jax_ragged_dot_use_gpu_pallas_triton_lowering (GPU) a grouped
+GEMM over the selected experts. "auto" takes "gathered" while N*k <= E and "grouped" beyond.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax.kernels.projection_reference import swiglu
+from specjax.models.fp8 import dequantize_stack, linear
 
 EXPERT_FORMS = ("auto", "dense", "grouped", "gathered")
+SCORING_FUNCS = ("sigmoid", "softmax")
+TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
-    """Static routing settings. transformers' DeepSeek-V3 always routes as scoring="sigmoid",
-    topk_method="noaux_tc" (whatever config.json says); DeepSeek-V2 as scoring="softmax" with the config's
-    topk_method. norm_topk_prob: transformers' V3 normalises when it is set (adding 1e-20), its V2 never does
-    (DeepSeek's V2 code does when it is set; released V2 configs leave it false)."""
+    """Static routing settings (a model config's). transformers' DeepSeek-V3 routes as scoring="sigmoid",
+    topk_method="noaux_tc" whatever config.json says; its DeepSeek-V2 as scoring="softmax" with the config's
+    topk_method and never normalises the weights (released V2 configs leave norm_topk_prob false)."""
     num_experts_per_tok: int
     scoring: str = "sigmoid"            # "sigmoid" | "softmax"
     topk_method: str = "noaux_tc"       # "noaux_tc" | "greedy" | "group_limited_greedy"
@@ -62,13 +63,12 @@ def route(x: jax.Array, w_router: jax.Array, router_bias: jax.Array | None,
     elif routing.scoring == "softmax":
         scores = jax.nn.softmax(logits, axis=-1)
     else:
-        raise ValueError(f"scoring {routing.scoring!r} is not one of 'sigmoid', 'softmax'")
+        raise ValueError(f"scoring {routing.scoring!r} is not one of {SCORING_FUNCS}")
     choice = scores if router_bias is None else scores + router_bias.astype(jnp.float32)
     if routing.topk_method in ("noaux_tc", "group_limited_greedy"):
         choice = _within_top_groups(choice, routing)
     elif routing.topk_method != "greedy":
-        raise ValueError(f"topk_method {routing.topk_method!r} is not one of 'noaux_tc', 'greedy', "
-                         "'group_limited_greedy'")
+        raise ValueError(f"topk_method {routing.topk_method!r} is not one of {TOPK_METHODS}")
     _, ids = lax.top_k(choice, routing.num_experts_per_tok)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
     if routing.norm_topk_prob:
@@ -90,43 +90,53 @@ def _within_top_groups(choice: jax.Array, routing: Routing) -> jax.Array:
     return jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(num_tokens, num_experts)
 
 
-def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *,
-                   form: str = "auto") -> jax.Array:
-    """Σ_j weights[n, j] · Expert_{ids[n, j]}(x[n]) for tokens x [N, hidden], in the chosen form (module doc)."""
-    num_slots, num_experts = ids.size, w_gate_up.shape[0]
+def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: Mapping[str, jax.Array], *,
+                   form: str = "auto", block: tuple[int, int] | None = None) -> jax.Array:
+    """Σ_j weights[n, j] · Expert_{ids[n, j]}(x[n]) for tokens x [N, hidden], in the chosen form (module doc).
+    experts: we_gate, we_up, we_down (and their `_scale` leaves with `block`)."""
+    num_slots, num_experts = ids.size, experts["we_gate"].shape[0]
     if form == "auto":
         form = "gathered" if num_slots <= num_experts else "grouped"
     forms = {"dense": _dense_experts, "grouped": _grouped_experts, "gathered": _gathered_experts}
     if form not in forms:
         raise ValueError(f"expert form {form!r} is not one of {EXPERT_FORMS}")
-    return forms[form](x, ids, weights, w_gate_up, w_down)
+    return forms[form](x, ids, weights, experts, block)
 
 
-def _dense_experts(x, ids, weights, w_gate_up, w_down) -> jax.Array:
+def _stacks(experts: Mapping[str, jax.Array], block, dtype, ids=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(gate, up, down) stacks, taken at `ids` first when given (only those slices are read), FP8 dequantized."""
+    return tuple(dequantize_stack(experts, name, block, dtype, ids) for name in ("we_gate", "we_up", "we_down"))
+
+
+def _dense_experts(x, ids, weights, experts, block) -> jax.Array:
     """Every expert on every token, combined by a [N, E] matrix of routing weights (zero where not chosen)."""
-    hidden = swiglu(jnp.einsum("nh,ehf->enf", x, w_gate_up))
-    out = jnp.einsum("enf,efh->enh", hidden, w_down, preferred_element_type=jnp.float32)
-    combine = (jax.nn.one_hot(ids, w_gate_up.shape[0], dtype=jnp.float32) * weights[..., None]).sum(axis=1)
+    gate, up, down = _stacks(experts, block, x.dtype)
+    hidden = jax.nn.silu(jnp.einsum("nh,ehf->enf", x, gate)) * jnp.einsum("nh,ehf->enf", x, up)
+    out = jnp.einsum("enf,efh->enh", hidden, down, preferred_element_type=jnp.float32)
+    combine = (jax.nn.one_hot(ids, gate.shape[0], dtype=jnp.float32) * weights[..., None]).sum(axis=1)
     return jnp.einsum("ne,enh->nh", combine, out).astype(x.dtype)
 
 
-def _grouped_experts(x, ids, weights, w_gate_up, w_down) -> jax.Array:
-    """Token-slots sorted by expert, two ragged_dot grouped matmuls, then unsorted and combined."""
+def _grouped_experts(x, ids, weights, experts, block) -> jax.Array:
+    """Token-slots sorted by expert, ragged_dot grouped matmuls, then unsorted and combined."""
+    gate, up, down = _stacks(experts, block, x.dtype)
     num_tokens, k = ids.shape
     flat_ids = ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)
-    group_sizes = jnp.bincount(flat_ids, length=w_gate_up.shape[0]).astype(jnp.int32)
-    hidden = swiglu(lax.ragged_dot(x[order // k], w_gate_up, group_sizes))
-    out_sorted = lax.ragged_dot(hidden, w_down, group_sizes)
+    group_sizes = jnp.bincount(flat_ids, length=gate.shape[0]).astype(jnp.int32)
+    slots = x[order // k]
+    hidden = jax.nn.silu(lax.ragged_dot(slots, gate, group_sizes)) * lax.ragged_dot(slots, up, group_sizes)
+    out_sorted = lax.ragged_dot(hidden, down, group_sizes)
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted, unique_indices=True)
     return _combine(out.reshape(num_tokens, k, -1), weights, x.dtype)
 
 
-def _gathered_experts(x, ids, weights, w_gate_up, w_down) -> jax.Array:
-    """Each token-slot's expert weights gathered (one [hidden, 2I] and one [I, hidden] slice per slot: the weight
-    leaves feed nothing but these gathers), then batched matvecs."""
-    hidden = swiglu(jnp.einsum("nh,nkhf->nkf", x, w_gate_up[ids]))
-    out = jnp.einsum("nkf,nkfh->nkh", hidden, w_down[ids], preferred_element_type=jnp.float32)
+def _gathered_experts(x, ids, weights, experts, block) -> jax.Array:
+    """Each token-slot's expert weights gathered (the weight leaves feed nothing but these gathers: one slice per
+    slot), then batched matvecs."""
+    gate, up, down = _stacks(experts, block, x.dtype, ids)
+    hidden = jax.nn.silu(jnp.einsum("nh,nkhf->nkf", x, gate)) * jnp.einsum("nh,nkhf->nkf", x, up)
+    out = jnp.einsum("nkf,nkfh->nkh", hidden, down, preferred_element_type=jnp.float32)
     return _combine(out, weights, x.dtype)
 
 
@@ -135,10 +145,18 @@ def _combine(out: jax.Array, weights: jax.Array, dtype) -> jax.Array:
     return jnp.einsum("nkh,nk->nh", out.astype(jnp.float32), weights).astype(dtype)
 
 
-def moe(x: jax.Array, weights: dict, routing: Routing, *, form: str = "auto") -> jax.Array:
+def swiglu_mlp(x: jax.Array, weights: Mapping[str, jax.Array], prefix: str,
+               block: tuple[int, int] | None = None) -> jax.Array:
+    """down(silu(gate(x)) * up(x)) of the weights `{prefix}gate`, `{prefix}up`, `{prefix}down` (FP8 or not): a
+    dense layer's MLP (prefix "w_") or the shared experts ("ws_")."""
+    hidden = jax.nn.silu(linear(x, weights, prefix + "gate", block)) * linear(x, weights, prefix + "up", block)
+    return linear(hidden, weights, prefix + "down", block)
+
+
+def moe(x: jax.Array, weights: Mapping[str, jax.Array], routing: Routing, *, form: str = "auto",
+        block: tuple[int, int] | None = None) -> jax.Array:
     """The MoE block on x [..., hidden]: routed experts plus the shared experts."""
     tokens = x.reshape(-1, x.shape[-1])
     ids, routing_weights = route(tokens, weights["w_router"], weights.get("router_bias"), routing)
-    routed = routed_experts(tokens, ids, routing_weights, weights["w_gate_up"], weights["w_down"], form=form)
-    shared = swiglu(tokens @ weights["w_shared_gate_up"]) @ weights["w_shared_down"]
-    return (routed + shared).reshape(x.shape)
+    routed = routed_experts(tokens, ids, routing_weights, weights, form=form, block=block)
+    return (routed + swiglu_mlp(tokens, weights, "ws_", block)).reshape(x.shape)

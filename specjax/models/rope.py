@@ -17,7 +17,9 @@ which leaves every q·k unchanged.
 """
 from __future__ import annotations
 
+import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -150,6 +152,20 @@ def yarn_softmax_scale(qk_head_dim: int, scaling: dict | None) -> float:
         return scale
     mscale = yarn_mscale(scaling["factor"], mscale_all_dim)
     return scale * mscale * mscale
+
+
+# rotate(x [B, T, H, D], positions [B, T]) -> x rotated: a model's rope with its table, layout and factor bound.
+Rotate = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def rotary(head_dim: int, theta: float, scaling: dict | None, *, interleaved: bool = False,
+           max_position_embeddings: int | None = None) -> Rotate:
+    """The rotation a model applies to its q and k (built once at trace time)."""
+    return functools.partial(apply_rope, inv_freq=rope_inv_freq(head_dim, theta, scaling,
+                                                                max_position_embeddings=max_position_embeddings),
+                             interleaved=interleaved,
+                             attention_factor=rope_attention_factor(scaling,
+                                                                    max_position_embeddings=max_position_embeddings))
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, *, interleaved: bool,

@@ -10,7 +10,7 @@ matmul's output (`split_columns`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,22 +20,42 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class LeafSpec:
     """Where one leaf of the tree comes from: one tensor, or several fused side by side on the last axis in
-    `groups` interleaved groups."""
+    `groups` interleaved groups; or, with `combine`, any function of several tensors (per-expert tensors stacked,
+    a tensor split by rows)."""
     hf_names: tuple[str, ...]  # per-layer tensors carry an "{i}" placeholder for the layer index
     shape: tuple[int, ...]     # the leaf's shape in the tree (stacked leaves lead with the layer count)
-    transpose: bool            # HF Linear weights are [out, in]; the tree stores [in, out]
+    transpose: bool = False    # HF Linear weights are [out, in]; the tree stores [in, out]
     widths: tuple[int, ...] = ()   # each fused tensor's share of the last axis (one tensor: all of it)
     groups: int = 1
+    # The tensors' dtype kept as it is (float8 weights, their float32 block scales); None: the model's dtype.
+    dtype: str | None = None
+    # combine(parts) -> one layer's leaf, replacing transpose and fusion; part_shapes: the parts' HF shapes.
+    combine: Callable[[list[np.ndarray]], np.ndarray] | None = None
+    part_shapes: tuple[tuple[int, ...], ...] = ()
+    # The layer indices a stacked leaf's entries read ("{i}"); () means 0 .. shape[0] - 1.
+    layer_indices: tuple[int, ...] = ()
 
     @property
     def stacked(self) -> bool:
         return "{i}" in self.hf_names[0]
 
+    def layers(self) -> tuple[int, ...]:
+        return self.layer_indices or tuple(range(self.shape[0]))
+
     def hf_shapes(self) -> list[tuple[int, ...]]:
         """The shape of each HF tensor feeding this leaf (one layer's slice for stacked leaves)."""
+        if self.part_shapes:
+            return list(self.part_shapes)
         shape = self.shape[1:] if self.stacked else self.shape
         parts = [shape[:-1] + (width,) for width in self.widths or shape[-1:]]
         return [tuple(reversed(part)) if self.transpose else part for part in parts]
+
+    def assemble(self, parts: list[np.ndarray]) -> np.ndarray:
+        """One layer's leaf from its HF tensors (in hf_names order)."""
+        if self.combine is not None:
+            return self.combine(parts)
+        parts = [part.T if self.transpose else part for part in parts]
+        return parts[0] if len(parts) == 1 else interleave_columns(parts, self.groups)
 
 
 def fused(names: Sequence[str], lead: tuple[int, ...], widths: tuple[int, ...], groups: int,
