@@ -82,11 +82,11 @@ def read_marker(ckpt_dir: str | Path) -> dict:
 
 
 def load_checkpoint(model_dir: str | Path, weight_map: Mapping[str, LeafSpec], dtype: np.dtype,
-                    shardings: dict | None = None) -> dict:
+                    shardings: dict | None = None, ignored: str | None = None) -> dict:
     """Params of a model directory in either format, a converted orbax checkpoint or HF safetensors, as the
-    family's weight map lays them out, in `dtype`."""
+    family's weight map lays them out, in `dtype` (`ignored`: load_params')."""
     if not is_orbax_checkpoint(model_dir):
-        return load_params(model_dir, weight_map, dtype, shardings)
+        return load_params(model_dir, weight_map, dtype, shardings, ignored)
     check_leaves_match(read_marker(model_dir)["leaves"], weight_map, model_dir)
     return restore_params(model_dir, shardings, dtype)
 
@@ -107,7 +107,8 @@ def convert_hf_to_orbax(hf_dir: str | Path, out_dir: str | Path, dtype: str = "a
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; remove it or choose another output directory")
     family, cfg = config_from_dir(hf_dir)
-    params = load_params(hf_dir, family.weight_map(cfg), resolve_dtype(dtype, cfg.torch_dtype))
+    params = load_params(hf_dir, family.weight_map(cfg), resolve_dtype(dtype, cfg.torch_dtype),
+                         ignored=family.ignored_tensors(cfg))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:

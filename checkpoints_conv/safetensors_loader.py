@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -28,11 +29,14 @@ TensorReader = Callable[[str, tuple[int, ...]], np.ndarray]
 
 
 def load_params(model_dir: str | Path, weight_map: Mapping[str, LeafSpec], dtype: np.dtype,
-                shardings: dict | None = None) -> dict:
+                shardings: dict | None = None, ignored: str | None = None) -> dict:
     """Read an HF safetensors directory into the nested param tree a family's weight map describes, in
     `dtype`. `shardings`: None (default device) or a nested dict of jax.sharding.Sharding with the tree's
-    structure."""
+    structure. Every tensor of the checkpoint must be read, except those matching the regex `ignored` (the
+    family's): an unread one means the checkpoint and config.json disagree (more experts or layers in the files
+    than the config names, say), which would otherwise go unnoticed."""
     files = tensor_files(model_dir)
+    used: set[str] = set()
     with contextlib.ExitStack() as stack:
         handles = {path: _open(path, stack) for path in sorted(set(files.values()))}
 
@@ -40,9 +44,16 @@ def load_params(model_dir: str | Path, weight_map: Mapping[str, LeafSpec], dtype
             if name not in files:
                 raise ValueError(f"tensor {name!r} is missing from the checkpoint in {model_dir}; the files do "
                                  "not match config.json — re-download or re-convert it")
+            used.add(name)
             return _read_tensor(handles[files[name]], files[name], name, expected)
 
-        return load_tree(weight_map, read, dtype, shardings)
+        params = load_tree(weight_map, read, dtype, shardings)
+    unread = sorted(name for name in set(files) - used if not (ignored and re.match(ignored, name)))
+    if unread:
+        raise ValueError(f"the checkpoint in {model_dir} has {len(unread)} tensor(s) config.json does not account "
+                         f"for, e.g. {unread[:4]}: the files and config.json do not belong together (a different "
+                         "number of layers or experts?) — re-download the checkpoint or fix config.json")
+    return params
 
 
 def load_tree(weight_map: Mapping[str, LeafSpec], read: TensorReader, dtype: np.dtype,

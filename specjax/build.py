@@ -87,8 +87,8 @@ def load_target(family: ModelFamily, cfg: ModelConfig, path: Path, config: Engin
         shardings = param_shardings(_shapes(weight_map), family.partition_rules(cfg, tp), mesh)
     dtype = NUMPY_DTYPES[config.dtype]
     kernels = KernelPolicy(impl=config.attention_impl)
-    module = family.build(cfg, load_checkpoint(path, weight_map, dtype, shardings), kernels=kernels,
-                          unroll_layers=config.unroll_layers)
+    params = load_checkpoint(path, weight_map, dtype, shardings, ignored=family.ignored_tensors(cfg))
+    module = family.build(cfg, params, kernels=kernels, unroll_layers=config.unroll_layers)
     graph, params = nnx.split(module)
     return Target(family=family, cfg=cfg, module=module, graph=graph, params=params, dtype=dtype, kernels=kernels,
                   mesh=mesh)
@@ -124,8 +124,8 @@ def _draft_model(spec: SpeculativeConfig, target: Target, unroll_layers: bool | 
             shards = spec.draft_tensor_parallel_size
         shardings = param_shardings(_shapes(weight_map), family.partition_rules(cfg, shards), target.mesh,
                                     replicated=not split)
-    draft = family.build(cfg, load_checkpoint(path, weight_map, target.dtype, shardings), kernels=target.kernels,
-                         unroll_layers=unroll_layers)
+    params = load_checkpoint(path, weight_map, target.dtype, shardings, ignored=family.ignored_tensors(cfg))
+    draft = family.build(cfg, params, kernels=target.kernels, unroll_layers=unroll_layers)
     graph, state = nnx.split(draft)
     proposer = DraftModelProposer(graph, spec.num_speculative_tokens,
                                   probabilistic=spec.draft_sample_method == "probabilistic",

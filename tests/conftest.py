@@ -105,4 +105,5 @@ def read_checkpoint(model_dir: Path, dtype: str = "auto"):
     from specjax.models.registry import config_from_dir
 
     family, cfg = config_from_dir(model_dir)
-    return cfg, load_checkpoint(model_dir, family.weight_map(cfg), resolve_dtype(dtype, cfg.torch_dtype))
+    return cfg, load_checkpoint(model_dir, family.weight_map(cfg), resolve_dtype(dtype, cfg.torch_dtype),
+                                ignored=family.ignored_tensors(cfg))

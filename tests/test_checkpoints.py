@@ -26,7 +26,8 @@ def load(model_dir, cfg=None, dtype="auto", shardings=None):
     """load_params with the model directory's own family, config and dtype resolution."""
     family, own = config_from_dir(model_dir)
     cfg = cfg or own
-    return load_params(model_dir, family.weight_map(cfg), resolve_dtype(dtype, cfg.torch_dtype), shardings)
+    return load_params(model_dir, family.weight_map(cfg), resolve_dtype(dtype, cfg.torch_dtype), shardings,
+                       family.ignored_tensors(cfg))
 
 
 def load_ckpt(model_dir, cfg, dtype="auto"):

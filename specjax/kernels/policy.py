@@ -38,6 +38,11 @@ class KernelPolicy:
     # with this implementation: cuDNN's fused kernel on GPUs ("xla" computes the same anywhere).
     prefill_fused_min_tokens: int = 2048
     prefill_fused_impl: Literal["cudnn", "xla"] = "cudnn"
+    # Multi-head latent attention (DeepSeek): decode and verify in the weight-absorbed form over the latent cache
+    # (False: every cached row expanded per head, the form transformers computes; prefill always expands).
+    mla_absorbed: bool = True
+    # MoE experts: "auto" (gathered slices at decode, grouped matmuls beyond), "dense", "grouped", "gathered".
+    moe_form: str = "auto"
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:

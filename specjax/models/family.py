@@ -84,6 +84,10 @@ class ModelFamily(Protocol):
     def partition_rules(self, cfg: Any, tensor_parallel_size: int) -> PartitionRules:
         """Leaf name -> the axis split over the "model" mesh axis (from the end), or None (replicated)."""
 
+    def ignored_tensors(self, cfg: Any) -> str | None:
+        """A regex of the checkpoint tensors the model does not read (any other unread tensor is an error: the
+        checkpoint and config.json disagree); None when it reads them all."""
+
     def check_tensor_parallel(self, cfg: Any, tensor_parallel_size: int, *, field: str) -> None:
         """Raise a ValueError naming `field` when cfg cannot be split over tensor_parallel_size devices."""
 

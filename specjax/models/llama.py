@@ -164,6 +164,12 @@ def check_tensor_parallel(cfg: LlamaConfig, tensor_parallel_size: int, *, field:
                          f"{field}={tp}: {fix}")
 
 
+def ignored_tensors(cfg: LlamaConfig) -> str | None:
+    """Checkpoint tensors the model does not read: a tied model's lm_head copy (transformers ties it to the
+    embedding too), the rotary tables old exports carry."""
+    return r"lm_head\.weight$|.*rotary_emb\.inv_freq$" if cfg.tie_word_embeddings else r".*rotary_emb\.inv_freq$"
+
+
 def unstack_layers(params: dict, num_layers: int) -> dict:
     """A checkpoint's param tree (stacked layer leaves) in the per-layer layout: {"layers": {i: {...}}}.
     Consumes `params`: each stacked leaf is dropped from it once split, so the device holds at most one
@@ -310,6 +316,7 @@ class LlamaFamily:
     weight_map = staticmethod(weight_map)
     partition_rules = staticmethod(partition_rules)
     check_tensor_parallel = staticmethod(check_tensor_parallel)
+    ignored_tensors = staticmethod(ignored_tensors)
 
     @staticmethod
     def build(cfg: LlamaConfig, params: dict, *, kernels: KernelPolicy = KernelPolicy(),

@@ -32,15 +32,18 @@ are zeroed before use; long query blocks run in chunks of QUERY_CHUNK.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from specjax.kernels.attention_reference import QUERY_CHUNK
 from specjax.kernels.projection_reference import rms_norm
 from specjax.models.fp8 import linear
+from specjax.parallel.mesh import Layout
 
 # transformers and DeepSeek's reference build q_a_layernorm and kv_a_layernorm with their default eps, not
 # config.rms_norm_eps (which only reaches the decoder-layer norms).
@@ -77,9 +80,24 @@ def project_latent(x: jax.Array, weights: dict, block: tuple[int, int] | None = 
     return rms_norm(latent[..., :rank], weights["kv_norm"], LATENT_NORM_EPS), latent[..., rank:]
 
 
-def init_latent_cache(num_layers: int, batch: int, max_len: int, width: int, dtype) -> jax.Array:
-    """An empty latent cache [L, B, S, width], width = kv_lora_rank + qk_rope_head_dim."""
-    return jnp.zeros((num_layers, batch, max_len, width), dtype)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LatentCache:
+    """The MLA cache of a wave: one latent row per token per layer, shared by every head."""
+    latent: jax.Array   # [L, B, S, kv_lora_rank + qk_rope_head_dim]
+
+    @classmethod
+    def init(cls, num_layers: int, batch: int, max_len: int, width: int, dtype) -> LatentCache:
+        return cls(jnp.zeros((num_layers, batch, max_len, width), dtype))
+
+    @staticmethod
+    def bytes(num_layers: int, batch: int, max_len: int, width: int, dtype) -> int:
+        """Bytes of `init`'s cache; every device holds all of it (its rows are head-independent)."""
+        return num_layers * batch * max_len * width * jnp.dtype(dtype).itemsize
+
+    def specs(self, layout: Layout) -> LatentCache:
+        """Replicated under tensor parallelism: each device attends with its own heads over every row."""
+        return LatentCache(P())
 
 
 def write_latent(cache: jax.Array, layer: jax.Array | int, rows: jax.Array, start: jax.Array) -> jax.Array:

@@ -6,14 +6,15 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from specjax.models import llama
+from specjax.models import deepseek, llama
 from specjax.models.family import ModelConfig, ModelFamily
 
-FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY,)
+FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY, deepseek.FAMILY)
 ARCHITECTURES: dict[str, ModelFamily] = {arch: family for family in FAMILIES for arch in family.architectures}
 # config.json files without `architectures` (hand-written or old exports) are known by their model_type.
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM"}
+               "qwen3": "Qwen3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+               "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def architecture_of(d: Mapping[str, Any]) -> str:
