@@ -10,7 +10,8 @@ TINY_COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidd
                    rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 # name -> (transformers config class name, extra config fields). Covers: GQA, llama3 rope scaling, tied and
-# untied embeddings, explicit head_dim != hidden/heads, Qwen2 q/k/v biases, Qwen3 q/k norms.
+# untied embeddings, explicit head_dim != hidden/heads, Qwen2 q/k/v biases, Qwen3 q/k norms, sliding windows
+# (Mistral's on every layer, Qwen2's from max_window_layers on, Qwen3's per layer from layer_types).
 TINY_FAMILIES = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=False, rope_theta=10000.0)),
     "llama3_tied": ("LlamaConfig", dict(
@@ -21,6 +22,12 @@ TINY_FAMILIES = {
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1e6, use_sliding_window=False)),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=16, rope_theta=1e6,
                                   use_sliding_window=False)),
+    "mistral_window": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=8, rope_theta=1e6)),
+    "qwen2_window": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1e6, use_sliding_window=True,
+                                         sliding_window=8, max_window_layers=1)),
+    "qwen3_layer_types": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=16, rope_theta=1e6,
+                                              use_sliding_window=True, sliding_window=6,
+                                              layer_types=["sliding_attention", "full_attention"])),
 }
 
 

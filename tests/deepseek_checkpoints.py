@@ -78,6 +78,12 @@ DEEPSEEK_VARIANTS = {
         "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2, "norm_topk_prob": True,
         "routed_scaling_factor": 2.5, "n_shared_experts": 1, "tie_word_embeddings": False,
         "rope_parameters": YARN_EQUAL_MSCALE}),
+    # Eight heads and eight experts: splits over 2, 4 and 8 devices (heads, experts, every intermediate size).
+    "v3_tp8": ("DeepseekV3Config", {
+        "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 48, "num_hidden_layers": 3,
+        "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2, "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5, "n_shared_experts": 1, "tie_word_embeddings": False,
+        "rope_parameters": YARN_EQUAL_MSCALE}),
     "v2_lite": ("DeepseekV2Config", {
         "q_lora_rank": None, "num_hidden_layers": 2, "first_k_dense_replace": 1, "topk_method": "greedy",
         "num_experts_per_tok": 2, "norm_topk_prob": False, "routed_scaling_factor": 1.0, "n_shared_experts": 2,

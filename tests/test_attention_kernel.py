@@ -1,5 +1,6 @@
-"""Verify/decode attention: reference vs a float64 oracle, Pallas kernel (interpret mode) vs reference,
-and the dispatcher's choice. Interpret mode is slow on CPU: shapes are tiny and cases few."""
+"""Verify/decode attention: reference vs a float64 oracle, Pallas kernel (interpret mode) vs reference, with
+and without a sliding window, and the dispatcher's choice. Interpret mode is slow on CPU: shapes are tiny and
+cases few."""
 
 from __future__ import annotations
 
@@ -40,8 +41,9 @@ def make_inputs(seed, batch, tokens, q_heads, kv_heads, slots, head_dim, dtype, 
             jnp.asarray(starts, jnp.int32))
 
 
-def oracle(q, k_cache, v_cache, layer, start, scale):
-    """Float64 numpy attention, one query at a time."""
+def oracle(q, k_cache, v_cache, layer, start, scale, window=0):
+    """Float64 numpy attention, one query at a time; a query sees the `window` slots ending at its own
+    (transformers' sliding mask: kv > q - window) when window > 0."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k_cache[layer], v_cache[layer]))
     batch, tokens, q_heads, _ = q.shape
     group = q_heads // k.shape[1]
@@ -49,8 +51,9 @@ def oracle(q, k_cache, v_cache, layer, start, scale):
     for b in range(batch):
         for t in range(tokens):
             end = int(start[b]) + t + 1
+            first = max(0, end - window) if window else 0
             for head in range(q_heads):
-                keys, values = k[b, head // group, :end], v[b, head // group, :end]
+                keys, values = k[b, head // group, first:end], v[b, head // group, first:end]
                 logits = keys @ q[b, t, head] * scale
                 weights = np.exp(logits - logits.max())
                 out[b, t, head] = weights @ values / weights.sum()
@@ -64,46 +67,61 @@ def relative_error(out, expected):
     return np.linalg.norm(out - expected) / np.linalg.norm(expected)
 
 
+@pytest.mark.parametrize("window", [0, 1, 5])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_reference_matches_float64_oracle(dtype):
+def test_reference_matches_float64_oracle(dtype, window):
     q, k, v, start = make_inputs(0, batch=3, tokens=4, q_heads=8, kv_heads=2, slots=24,
                                  head_dim=16, dtype=dtype, starts=[0, 7, 20])
-    out = attention_reference(q, k, v, jnp.int32(1), start, scale=0.3)
+    out = attention_reference(q, k, v, jnp.int32(1), start, scale=0.3, window=window)
     assert out.shape == q.shape and out.dtype == q.dtype
-    assert relative_error(out, oracle(q, k, v, 1, start, 0.3)) < TOLERANCE[dtype]
+    assert relative_error(out, oracle(q, k, v, 1, start, 0.3, window)) < TOLERANCE[dtype]
 
 
-def test_reference_query_chunks_match_single_pass():
+def test_a_window_wider_than_the_context_changes_nothing_and_a_narrow_one_does():
+    q, k, v, start = make_inputs(7, batch=2, tokens=3, q_heads=4, kv_heads=2, slots=32,
+                                 head_dim=16, dtype=jnp.float32, starts=[2, 20])
+    full = attention_reference(q, k, v, 0, start, scale=0.25)
+    np.testing.assert_array_equal(attention_reference(q, k, v, 0, start, scale=0.25, window=23), full)
+    assert relative_error(attention_reference(q, k, v, 0, start, scale=0.25, window=22), full) > 1e-3
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_reference_query_chunks_match_single_pass(window):
     q, k, v, start = make_inputs(1, batch=2, tokens=11, q_heads=4, kv_heads=4, slots=32,
                                  head_dim=16, dtype=jnp.float32, starts=[0, 13])
-    whole = attention_reference(q, k, v, 0, start, scale=0.25)
-    chunked = attention_reference(q, k, v, 0, start, scale=0.25, query_chunk=4)
+    whole = attention_reference(q, k, v, 0, start, scale=0.25, window=window)
+    chunked = attention_reference(q, k, v, 0, start, scale=0.25, window=window, query_chunk=4)
     assert relative_error(chunked, whole) < 1e-6
 
 
 KERNEL_CASES = [
-    # (batch, tokens, q_heads, kv_heads, slots, head_dim, dtype, config or None, starts or None)
-    (2, 1, 4, 4, 40, 16, jnp.float32, None, [0, 39]),                     # decode, MHA, S not pow2
-    (3, 5, 8, 2, 48, 32, jnp.bfloat16, None, [0, 17, 43]),                # verify, GQA 4
-    (2, 16, 8, 1, 64, 16, jnp.float32, None, None),                       # T=16, GQA 8: 128 rows
+    # (batch, tokens, q_heads, kv_heads, slots, head_dim, dtype, config or None, starts or None, window)
+    (2, 1, 4, 4, 40, 16, jnp.float32, None, [0, 39], 0),                  # decode, MHA, S not pow2
+    (3, 5, 8, 2, 48, 32, jnp.bfloat16, None, [0, 17, 43], 0),             # verify, GQA 4
+    (2, 16, 8, 1, 64, 16, jnp.float32, None, None, 0),                    # T=16, GQA 8: 128 rows
     (3, 5, 8, 2, 48, 16, jnp.float32,                                     # split-KV + row tiles
-     KernelConfig(block_k=16, rows_per_tile=16, num_splits=3), [0, 9, 43]),
+     KernelConfig(block_k=16, rows_per_tile=16, num_splits=3), [0, 9, 43], 0),
     (2, 3, 16, 2, 80, 16, jnp.bfloat16,                                   # GQA 8, splits, tiles
-     KernelConfig(block_k=16, rows_per_tile=16, num_splits=4, num_warps=8), [5, 77]),
+     KernelConfig(block_k=16, rows_per_tile=16, num_splits=4, num_warps=8), [5, 77], 0),
+    # Sliding windows: blocks before a tile's window skipped, windows across block and split edges.
+    (2, 1, 4, 4, 40, 16, jnp.float32, KernelConfig(block_k=16), [0, 39], 1),  # decode sees itself only
+    (3, 5, 8, 2, 48, 16, jnp.float32,
+     KernelConfig(block_k=16, rows_per_tile=16, num_splits=3), [0, 9, 43], 7),
+    (2, 16, 8, 1, 64, 16, jnp.bfloat16, KernelConfig(block_k=16, rows_per_tile=32), [0, 40], 5),
 ]
 
 
 @pytest.mark.parametrize("case", KERNEL_CASES)
 def test_kernel_matches_reference(case):
-    batch, tokens, q_heads, kv_heads, slots, head_dim, dtype, config, starts = case
+    batch, tokens, q_heads, kv_heads, slots, head_dim, dtype, config, starts, window = case
     q, k, v, start = make_inputs(2, batch, tokens, q_heads, kv_heads, slots, head_dim, dtype,
                                  starts=starts)
     scale = head_dim ** -0.5
     # Interpret mode fills outputs with NaN before the kernel runs (checked below), so
     # relative_error's finiteness check proves every element was written.
-    out = attention_triton(q, k, v, jnp.int32(1), start, scale=scale, config=config,
+    out = attention_triton(q, k, v, jnp.int32(1), start, scale=scale, window=window, config=config,
                            interpret=True)
-    expected = attention_reference(q, k, v, jnp.int32(1), start, scale=scale)
+    expected = attention_reference(q, k, v, jnp.int32(1), start, scale=scale, window=window)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert relative_error(out, expected) < TOLERANCE[dtype]
 
@@ -112,14 +130,14 @@ def test_kernel_matches_reference(case):
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow],
           phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(tokens=st.integers(1, 16), group=st.sampled_from([1, 4, 8]), slots=st.integers(16, 72),
-       splits=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
-def test_kernel_random_shapes(tokens, group, slots, splits, seed):
+       splits=st.sampled_from([1, 2]), window=st.sampled_from([0, 1, 3, 17]), seed=st.integers(0, 2**16))
+def test_kernel_random_shapes(tokens, group, slots, splits, window, seed):
     slots = max(slots, tokens)
     q, k, v, start = make_inputs(seed, batch=2, tokens=tokens, q_heads=2 * group, kv_heads=2,
                                  slots=slots, head_dim=16, dtype=jnp.float32, layers=1)
     config = KernelConfig(block_k=16, rows_per_tile=32, num_splits=splits)
-    out = attention_triton(q, k, v, 0, start, scale=0.25, config=config, interpret=True)
-    expected = attention_reference(q, k, v, 0, start, scale=0.25)
+    out = attention_triton(q, k, v, 0, start, scale=0.25, window=window, config=config, interpret=True)
+    expected = attention_reference(q, k, v, 0, start, scale=0.25, window=window)
     assert relative_error(out, expected) < TOLERANCE[jnp.float32]
 
 
@@ -138,19 +156,22 @@ def test_interpret_mode_poisons_unwritten_outputs():
     assert np.isnan(np.asarray(half_written[8:])).all()
 
 
-def test_kernel_under_jit_with_traced_layer_in_scan():
+def test_kernel_under_jit_with_traced_layer_and_window_in_scan():
+    """Layers of one scanned stack with different windows (Qwen2's full then sliding layers) share the kernel."""
     q, k, v, start = make_inputs(3, batch=2, tokens=2, q_heads=4, kv_heads=2, slots=32,
-                                 head_dim=16, dtype=jnp.float32, layers=3)
+                                 head_dim=16, dtype=jnp.float32, layers=3, starts=[3, 25])
+    windows = (0, 4, 19)
 
     @jax.jit
     def all_layers(q, k, v, start):
-        def step(carry, layer):
-            return carry, attention(q, k, v, layer, start, scale=0.25, kernels=INTERPRET)
-        return jax.lax.scan(step, 0, jnp.arange(3, dtype=jnp.int32))[1]
+        def step(carry, layer_and_window):
+            layer, window = layer_and_window
+            return carry, attention(q, k, v, layer, start, scale=0.25, window=window, kernels=INTERPRET)
+        return jax.lax.scan(step, 0, (jnp.arange(3, dtype=jnp.int32), jnp.asarray(windows, jnp.int32)))[1]
 
     outs = all_layers(q, k, v, start)
-    for layer in range(3):
-        expected = attention_reference(q, k, v, layer, start, scale=0.25)
+    for layer, window in enumerate(windows):
+        expected = oracle(q, k, v, layer, start, 0.25, window)
         assert relative_error(outs[layer], expected) < TOLERANCE[jnp.float32]
 
 
@@ -203,6 +224,8 @@ def test_auto_falls_back_for_shapes_the_kernel_lacks():
     (dict(start=jnp.zeros((1,), jnp.float32)), ValueError),  # not integer
     (dict(q=jnp.zeros((1, 2, 4, 16), jnp.bfloat16)), TypeError),
     (dict(scale=jnp.float32(0.2)), TypeError),
+    (dict(window=jnp.zeros((2,), jnp.int32)), ValueError),   # one window per call
+    (dict(window=4.0), ValueError),
 ])
 def test_invalid_inputs_raise_clear_errors(change, error):
     q, k, v, start = make_inputs(6, batch=1, tokens=2, q_heads=4, kv_heads=2, slots=16,

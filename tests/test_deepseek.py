@@ -246,3 +246,17 @@ def test_a_missing_expert_is_named(checkpoints, tmp_path):
     victim = "model.layers.1.mlp.experts.5.down_proj.weight"
     with pytest.raises(ValueError, match=victim.replace(".", r"\.") + ".*missing"):
         read_checkpoint(edited_copy(path, tmp_path / "bad", drop=(victim,)))
+
+
+def test_the_memory_check_counts_the_latent_cache(checkpoints, default_model_dir):
+    """kv_lora_rank + qk_rope_head_dim values per token per layer, the same on every device; too little memory
+    is refused naming what to lower."""
+    _, path = checkpoints("v3")
+    cfg, params = read_checkpoint(path)
+    model = FAMILY.build(cfg, params)
+    cache = model.init_cache(3, 40)
+    assert cache.latent.shape == (cfg.num_layers, 3, 40, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    assert model.cache_bytes(3, 40) == cache.latent.nbytes == model.cache_bytes(3, 40, tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="KV cache needs .* Lower max_model_len"):
+        LLM(str(path), tokenizer=str(default_model_dir), max_model_len=256, max_num_seqs=64,
+            gpu_memory_utilization=1e-6)

@@ -44,17 +44,21 @@ def assert_verified(modules) -> None:
         assert module.operation.verify()
 
 
-@pytest.mark.parametrize("batch, tokens, heads, kv_heads, slots, head_dim, dtype", [
-    (1, 1, 32, 8, 1024, 128, jnp.bfloat16),    # decode, split KV
-    (4, 5, 9, 3, 600, 64, jnp.bfloat16),       # verify, the default model's heads
-    (1, 300, 32, 8, 512, 128, jnp.bfloat16),   # prefill: row tiles
-    (2, 3, 16, 16, 100, 64, jnp.float32),
+@pytest.mark.parametrize("batch, tokens, heads, kv_heads, slots, head_dim, dtype, window", [
+    (1, 1, 32, 8, 1024, 128, jnp.bfloat16, 0),     # decode, split KV
+    (4, 5, 9, 3, 600, 64, jnp.bfloat16, 0),        # verify, the default model's heads
+    (1, 300, 32, 8, 512, 128, jnp.bfloat16, 0),    # prefill: row tiles
+    (2, 3, 16, 16, 100, 64, jnp.float32, 0),
+    (1, 1, 32, 8, 1024, 128, jnp.bfloat16, 256),   # sliding window, split KV
+    (1, 300, 32, 8, 512, 128, jnp.bfloat16, 64),   # sliding window, row tiles
 ])
-def test_attention_kernel_lowers(triton_modules, batch, tokens, heads, kv_heads, slots, head_dim, dtype):
+def test_attention_kernel_lowers(triton_modules, batch, tokens, heads, kv_heads, slots, head_dim, dtype, window):
+    """The window is traced (one layer's value of a scanned stack), as the model passes it."""
     q = jnp.zeros((batch, tokens, heads, head_dim), dtype)
     cache = jnp.zeros((2, batch, kv_heads, slots, head_dim), dtype)
     start = jnp.zeros((batch,), jnp.int32)
-    lower_for_cuda(lambda q, k, v, s: attention_triton(q, k, v, 1, s, scale=0.1), q, cache, cache, start)
+    lower_for_cuda(lambda q, k, v, s, w: attention_triton(q, k, v, 1, s, scale=0.1, window=w), q, cache, cache, start,
+                   jnp.int32(window))
     assert_verified(triton_modules)
 
 

@@ -1,5 +1,6 @@
 """The Flax models on loaded weights against transformers' PyTorch forward: logits within 1e-4 relative (fp32)
-for every tiny family, through an orbax round trip, and for the real SmolLM2 against its GGUF-loaded model."""
+for every tiny family (sliding windows included, on prompts well past them), through an orbax round trip, and for
+the real SmolLM2 against its GGUF-loaded model."""
 from __future__ import annotations
 
 import jax
@@ -11,28 +12,32 @@ import dataclasses
 
 from checkpoints_conv import convert_hf_to_orbax
 from conftest import TINY_FAMILIES, read_checkpoint
+from specjax.kernels.policy import KernelPolicy
 from specjax.models.llama import FAMILY, LlamaConfig, stack_layers, unstack_layers
 
 REL_TOL = 1e-4
 TINY_PROMPT_LENGTHS = (7, 3, 12)   # rows of different lengths share one right-padded batch
+WINDOW_FAMILIES = ("mistral_window", "qwen2_window", "qwen3_layer_types")
+PAST_THE_WINDOW = (41, 9, 26)      # the tiny windows are 6 and 8 tokens
 
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
-def flax_logits(cfg: LlamaConfig, params: dict, prompts: list[list[int]],
-                unroll_layers: bool | None = None) -> list[np.ndarray]:
-    """Logits [len, V] per prompt from one right-padded batched prefill starting at position 0."""
+def flax_logits(cfg: LlamaConfig, params: dict, prompts: list[list[int]], unroll_layers: bool | None = None,
+                kernels: KernelPolicy = KernelPolicy(), fresh: bool = False) -> list[np.ndarray]:
+    """Logits [len, V] per prompt from one right-padded batched prefill starting at position 0 (`fresh`: as
+    the engine's prefill, which may take the fused attention path)."""
     width = max(len(p) for p in prompts)
     tokens = np.zeros((len(prompts), width), np.int32)
     for row, prompt in enumerate(prompts):
         tokens[row, :len(prompt)] = prompt
-    model = FAMILY.build(cfg, params, unroll_layers=unroll_layers)
+    model = FAMILY.build(cfg, params, unroll_layers=unroll_layers, kernels=kernels)
     cache = model.init_cache(len(prompts), width)
     # Full fp32 matmuls: on GPUs JAX's default precision for fp32 is TF32 (about 1e-3 relative).
     with jax.default_matmul_precision("highest"):
-        hidden, _, _ = model(jnp.asarray(tokens), jnp.zeros((len(prompts),), jnp.int32), cache)
+        hidden, _, _ = model(jnp.asarray(tokens), jnp.zeros((len(prompts),), jnp.int32), cache, fresh=fresh)
         logits = np.asarray(model.logits(hidden))
     return [logits[row, :len(prompt)] for row, prompt in enumerate(prompts)]
 
@@ -79,6 +84,37 @@ def test_tiny_family_logits_match_transformers(tiny_checkpoint_factory, torch_re
     prompts = random_prompts(cfg.vocab_size, TINY_PROMPT_LENGTHS)
     got = flax_logits(cfg, params, prompts, unroll_layers=unroll)
     assert_logits_match(got, torch_logits(torch_reference(model_dir), prompts))
+
+
+# The fused prefill (XLA's dot_product_attention standing in for cuDNN) from the first token: a window model must
+# leave it for the cache path where the prompt outgrows a window, and may keep it where none does.
+FUSED_PREFILL = KernelPolicy(prefill_fused_impl="xla", prefill_fused_min_tokens=1)
+
+
+@pytest.mark.parametrize("kernels, fresh", [(KernelPolicy(), False), (FUSED_PREFILL, True)], ids=["forward", "fused"])
+@pytest.mark.parametrize("unroll", [False, True], ids=["scanned", "unrolled"])
+@pytest.mark.parametrize("family", WINDOW_FAMILIES)
+def test_sliding_window_logits_match_transformers_past_the_window(tiny_checkpoint_factory, torch_reference, family,
+                                                                  unroll, kernels, fresh):
+    model_dir = tiny_checkpoint_factory(family)
+    cfg, params = read_checkpoint(model_dir, dtype="float32")
+    assert any(cfg.attention_windows) and max(PAST_THE_WINDOW) > 4 * max(cfg.attention_windows)
+    prompts = random_prompts(cfg.vocab_size, PAST_THE_WINDOW, seed=2)
+    got = flax_logits(cfg, params, prompts, unroll_layers=unroll, kernels=kernels, fresh=fresh)
+    assert_logits_match(got, torch_logits(torch_reference(model_dir), prompts))
+
+
+@pytest.mark.parametrize("family", WINDOW_FAMILIES)
+def test_the_window_matters_past_it_and_not_before(tiny_checkpoint_factory, family):
+    """Guard that the window families exercise the window: without it, logits past the window change; within
+    it they are the same."""
+    cfg, params = read_checkpoint(tiny_checkpoint_factory(family))
+    unwindowed = dataclasses.replace(cfg, attention_windows=())
+    short = random_prompts(cfg.vocab_size, (min(w for w in cfg.attention_windows if w),), seed=3)
+    np.testing.assert_allclose(flax_logits(unwindowed, params, short)[0], flax_logits(cfg, params, short)[0],
+                               rtol=1e-6, atol=1e-6)
+    long = random_prompts(cfg.vocab_size, (30,), seed=3)
+    assert relative_error(flax_logits(unwindowed, params, long)[0], flax_logits(cfg, params, long)[0]) > 1e-3
 
 
 def test_per_layer_layout_round_trips_and_releases_the_stacked_leaves(tiny_checkpoint_factory):

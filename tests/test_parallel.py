@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from deepseek_checkpoints import save_tiny_deepseek, write_fp8_copy
 from eagle_heads import write_head
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -412,6 +413,52 @@ def test_replicas_on_a_data_axis_each_generate_their_rows():
     assert set(found) == {"all-reduce", "all-gather"}, found
     assert sorted(found["all-reduce"]) == sorted(["f32[2,16,64]"] * 3 + ["f32[2,4,64]"] * 3 + ["s32[]"])
     assert sorted(found["all-gather"]) == ["f32[2,1,128]", "f32[2,4,128]"]
+
+
+# ------------------------------------------------------------------------------------ DeepSeek: MLA + MoE
+
+@pytest.fixture(scope="module")
+def deepseek_dirs(tmp_path_factory):
+    """A tiny DeepSeek-V3 of 8 heads and 8 routed experts, and an FP8 copy of it (16 x 16 blocks)."""
+    bf = save_tiny_deepseek("v3_tp8", tmp_path_factory.mktemp("ds_v3"))
+    return {"bf16": bf, "fp8": write_fp8_copy(bf, tmp_path_factory.mktemp("ds_fp8"), block=(16, 16))}
+
+
+@needs_8
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_deepseek_at_tp_2_4_8_equals_tp1_with_experts_split(deepseek_dirs, default_model_dir, weights):
+    """MLA heads split, the latent cache replicated, the routed experts split over the devices (each device
+    routes every token the same and runs its own experts), with n-gram speculation on top."""
+    prompts = [{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}, {"prompt_token_ids": [40, 41]}, {"prompt_token_ids": [9]}]
+    outs = {}
+    for tp in (1, 2, 4, 8):
+        llm = LLM(str(deepseek_dirs[weights]), tokenizer=str(default_model_dir), tensor_parallel_size=tp,
+                  speculative_config=NGRAM, dtype="float32", **LIMITS)
+        outs[tp] = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+        if tp > 1:
+            experts = llm.params["moe"]["we_gate"][...]
+            assert {s.data.shape[1] for s in experts.addressable_shards} == {8 // tp}
+            assert llm.params["moe"]["w_uk"][...].addressable_shards[0].data.shape[1] == 8 // tp
+    assert outs[2] == outs[1] and outs[4] == outs[1] and outs[8] == outs[1]
+
+
+@needs_8
+def test_deepseek_moe_layers_combine_with_one_all_reduce(deepseek_dirs, default_model_dir):
+    """Per layer: the all-reduce after o_proj (attention) and, for the dense layer its down projection's, for
+    the MoE layers one all-reduce of the routed and shared experts' partial sums over the flattened tokens; and
+    the logits' all-gather. (The MoE layers are scanned: their body appears once in the program.)"""
+    llm = LLM(str(deepseek_dirs["bf16"]), tokenizer=str(default_model_dir), tensor_parallel_size=4, dtype="float32",
+              **LIMITS)
+    fn, args = _wave_state(llm)
+    found = _collectives(fn.lower(*args).compile().as_text())
+    assert set(found) <= {"all-reduce", "all-gather"}, found
+    B, P_bucket, H, V = 4, 16, 64, 160
+    # Prefill and the decode step: the embedding, the dense layer's o and down, the MoE layer's o at [B, T, H];
+    # the MoE combine at [B * T, H].
+    expected = [f"f32[{B},{T},{H}]" for T in (P_bucket, 1) for _ in range(4)] + [f"f32[{B * P_bucket},{H}]",
+                                                                                  f"f32[{B},{H}]"]
+    assert sorted(found["all-reduce"]) == sorted(expected), found
+    assert sorted(found["all-gather"]) == [f"f32[{B},1,{V}]"] * 2, found
 
 
 # ------------------------------------------------------------------------------------------------- rules

@@ -27,35 +27,39 @@ def attention(
     start: jax.Array,
     *,
     scale: float,
+    window: jax.Array | int = 0,
     kernels: KernelPolicy = KernelPolicy(),
     config: KernelConfig | None = None,
 ) -> jax.Array:
     """Causal GQA attention of q [B,T,Hq,D] against layer `layer` of k/v caches [L,B,Hkv,S,D].
 
     Query t of row b sits at absolute position start[b] + t and sees slots <= start[b] + t
-    (its K/V already written). Returns [B,T,Hq,D] in q.dtype; softmax in fp32. `kernels` chooses the
-    implementation (`choose_attention`); `config` overrides the kernel's launch parameters.
+    (its K/V already written), and with a sliding window of `window` > 0 tokens only the last `window` of
+    them (its own included; a scalar, traced or not: one layer of a scanned stack may have a window and the
+    next none). Returns [B,T,Hq,D] in q.dtype; softmax in fp32. `kernels` chooses the implementation
+    (`choose_attention`); `config` overrides the kernel's launch parameters.
     """
-    _check_inputs(q, k_cache, v_cache, layer, start, scale)
+    _check_inputs(q, k_cache, v_cache, layer, start, scale, window)
     chosen = choose_attention(kernels, q.shape, k_cache.shape)
     run = _runner(chosen, scale, kernels.interpret, config)
+    layer, window = jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)
     layout = current_layout()
     if layout is None or layout.mesh.size == 1:
-        return run(q, k_cache, v_cache, layer, start)
-    return _per_shard(run, layout, q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), start)
+        return run(q, k_cache, v_cache, layer, window, start)
+    return _per_shard(run, layout, q, k_cache, v_cache, layer, window, start)
 
 
 def _runner(chosen: Literal["reference", "triton"], scale: float, interpret: bool, config: KernelConfig | None):
-    def run(q, k_cache, v_cache, layer, start):
+    def run(q, k_cache, v_cache, layer, window, start):
         if chosen == "reference":
-            return attention_reference(q, k_cache, v_cache, layer, start, scale=scale)
-        return attention_triton(q, k_cache, v_cache, layer, start, scale=scale, config=config,
+            return attention_reference(q, k_cache, v_cache, layer, start, scale=scale, window=window)
+        return attention_triton(q, k_cache, v_cache, layer, start, scale=scale, window=window, config=config,
                                 interpret=interpret)
 
     return run
 
 
-def _per_shard(run, layout: Layout, q, k_cache, v_cache, layer, start) -> jax.Array:
+def _per_shard(run, layout: Layout, q, k_cache, v_cache, layer, window, start) -> jax.Array:
     """`run` on each device's heads under shard_map (head_axis None: every device runs every head). With
     fewer kv heads than head shards the cache is replicated and each shard's q heads all belong to one kv
     head, which it slices out of this layer (a [B, S, D] copy per K and V that the split case avoids)."""
@@ -70,13 +74,13 @@ def _per_shard(run, layout: Layout, q, k_cache, v_cache, layer, start) -> jax.Ar
     q_spec = P(None, None, head_axis, None)
     kv_spec = P(None, None, head_axis if kv_split else None, None, None)
 
-    def local(q, k_cache, v_cache, layer, start):
+    def local(q, k_cache, v_cache, layer, window, start):
         if not kv_split:
             k_cache, v_cache, layer = _own_kv_head(k_cache, v_cache, layer, head_axis, shards // num_kv_heads)
-        return run(q, k_cache, v_cache, layer, start)
+        return run(q, k_cache, v_cache, layer, window, start)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(), P()), out_specs=q_spec,
-                         check_vma=False)(q, k_cache, v_cache, layer, start)
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(), P(), P()), out_specs=q_spec,
+                         check_vma=False)(q, k_cache, v_cache, layer, window, start)
 
 
 def _own_kv_head(k_cache, v_cache, layer, head_axis: str, shards_per_kv_head: int):
@@ -104,7 +108,7 @@ def choose_attention(kernels: KernelPolicy, q_shape: tuple[int, ...],
     return "triton" if kernels.interpret or kernels.device_has_kernels() else "reference"
 
 
-def _check_inputs(q, k_cache, v_cache, layer, start, scale) -> None:
+def _check_inputs(q, k_cache, v_cache, layer, start, scale, window) -> None:
     """Raise a clear error for inconsistent inputs before anything is compiled."""
     if not isinstance(scale, (int, float)):
         raise TypeError(f"attention: scale must be a Python float (static), got {type(scale).__name__}")
@@ -125,5 +129,7 @@ def _check_inputs(q, k_cache, v_cache, layer, start, scale) -> None:
                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if start.shape != (batch,) or not jnp.issubdtype(start.dtype, jnp.integer):
         raise ValueError(f"attention: start must be int [B={batch}], got {start.dtype} {start.shape}")
-    if jnp.ndim(layer) != 0:
-        raise ValueError(f"attention: layer must be a scalar int, got shape {jnp.shape(layer)}")
+    for name, value in (("layer", layer), ("window", window)):
+        if jnp.ndim(value) != 0 or not jnp.issubdtype(jnp.result_type(value), jnp.integer):
+            raise ValueError(f"attention: {name} must be a scalar int, got {jnp.result_type(value)} "
+                             f"shape {jnp.shape(value)}")

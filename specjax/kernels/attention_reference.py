@@ -4,6 +4,8 @@ Ground truth for the Pallas kernel and the attention used on CPUs and older GPUs
 Query t of row b sits at absolute position start[b] + t and sees cache slots
 s <= start[b] + t of the selected layer (bottom-right causal), so one function
 covers decode (T = 1), verify (T = k + 1) and prefill (T = prompt bucket).
+A sliding window of W > 0 tokens (Mistral, Qwen2) further hides slots s <= position - W:
+each query sees its own token and the W - 1 before it, as transformers' sliding mask.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ def attention_reference(
     start: jax.Array,
     *,
     scale: float,
+    window: jax.Array | int = 0,
     query_chunk: int = QUERY_CHUNK,
 ) -> jax.Array:
     """Causal GQA attention of q [B,T,Hq,D] against layer `layer` of a [L,B,Hkv,S,D] cache, queries taken
-    `query_chunk` at a time."""
+    `query_chunk` at a time. window: the sliding window in tokens (a scalar, traced or not; 0 = none)."""
     k = lax.dynamic_index_in_dim(k_cache, layer, axis=0, keepdims=False)
     v = lax.dynamic_index_in_dim(v_cache, layer, axis=0, keepdims=False)
     num_tokens = q.shape[1]
@@ -37,13 +40,23 @@ def attention_reference(
     # zero them so that a zero probability times garbage cannot poison the sum.
     written = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :] < (start + num_tokens)[:, None]
     v = jnp.where(written[:, None, :, None], v, jnp.zeros((), v.dtype))
+    window = jnp.asarray(window, jnp.int32)
     if num_tokens <= query_chunk:
-        return _attend(q, k, v, start, scale)
-    return _attend_in_chunks(q, k, v, start, scale, query_chunk)
+        return _attend(q, k, v, start, scale, window)
+    return _attend_in_chunks(q, k, v, start, scale, window, query_chunk)
+
+
+def visible_slots(positions: jax.Array, num_slots: int, window: jax.Array) -> jax.Array:
+    """bool [..., S]: which cache slots a query at each of `positions` [...] sees: every slot up to its own
+    position, and within the last `window` positions when window > 0."""
+    slots = jnp.arange(num_slots, dtype=jnp.int32)
+    positions = positions[..., None]
+    in_window = (window <= 0) | (slots > positions - window)
+    return (slots <= positions) & in_window
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, first_position: jax.Array,
-            scale: float) -> jax.Array:
+            scale: float, window: jax.Array) -> jax.Array:
     """Attention of queries at positions first_position[b] + t against one layer's k, v [B,Hkv,S,D]."""
     batch, num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_slots = k.shape[1], k.shape[2]
@@ -53,7 +66,7 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, first_position: jax.Array,
     logits = jnp.einsum("bthgd,bhsd->bhgts", grouped_q, k,
                         preferred_element_type=jnp.float32) * scale
     positions = first_position[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
-    visible = jnp.arange(num_slots, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+    visible = visible_slots(positions, num_slots, window)
     logits = jnp.where(visible[:, None, None, :, :], logits, -jnp.inf)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bhgts,bhsd->bthgd", probs, v.astype(jnp.float32))
@@ -61,7 +74,7 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, first_position: jax.Array,
 
 
 def _attend_in_chunks(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
-                      scale: float, query_chunk: int) -> jax.Array:
+                      scale: float, window: jax.Array, query_chunk: int) -> jax.Array:
     """_attend over consecutive query chunks of query_chunk tokens (long prefill)."""
     batch, num_tokens, num_q_heads, head_dim = q.shape
     num_chunks = -(-num_tokens // query_chunk)
@@ -71,7 +84,7 @@ def _attend_in_chunks(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array
 
     def attend_chunk(chunk_and_offset):
         chunk, offset = chunk_and_offset
-        return _attend(chunk, k, v, start + offset, scale)
+        return _attend(chunk, k, v, start + offset, scale, window)
 
     out = lax.map(attend_chunk, (chunks, offsets))
     out = out.swapaxes(0, 1).reshape(batch, num_chunks * query_chunk, num_q_heads, head_dim)

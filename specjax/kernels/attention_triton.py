@@ -5,7 +5,9 @@ written anew for a stacked head-major cache):
 - one program per (batch row b, kv head h, KV split, row tile); the G = Hq / Hkv query
   heads of kv head h and the T tokens are folded into the rows of one [T*G, D] matrix
   (row r = t * G + g), so one K/V block read from memory serves every query that needs it;
-- each program walks KV blocks only up to the last slot its rows can see (start + t);
+- each program walks KV blocks only over the slots its rows can see: up to start + t, and from the
+  first slot inside the sliding window of its earliest row when the layer has one (a traced scalar,
+  so every layer of a scanned stack shares one compiled kernel whatever its window);
 - when B * Hkv gives too few programs to fill the GPU, the visible range is split
   across the grid and the partial results are merged with a log-sum-exp weighting;
 - K and V are read straight out of the full [L, B, Hkv, S, D] cache, indexed by the
@@ -95,10 +97,12 @@ def attention_triton(
     start: jax.Array,
     *,
     scale: float,
+    window: jax.Array | int = 0,
     config: KernelConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """Causal GQA attention of q [B,T,Hq,D] against layer `layer` of a [L,B,Hkv,S,D] cache."""
+    """Causal GQA attention of q [B,T,Hq,D] against layer `layer` of a [L,B,Hkv,S,D] cache; `window`: the
+    sliding window in tokens (0 = none), as in attention_reference."""
     batch, num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if config is None:
@@ -117,6 +121,7 @@ def attention_triton(
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT)
     in_specs = [
         pl.BlockSpec(),  # layer: a 0-d int32, passed as is (no reshape op around the call)
+        pl.BlockSpec(),  # window: likewise
         pl.BlockSpec((1,), lambda b, h, j, i: (b,)),
         # Unblocked: the kernel indexes rows of q and the layer of the cache itself,
         # so neither q nor the layer's K/V is ever copied.
@@ -141,7 +146,7 @@ def attention_triton(
                                            num_stages=config.num_stages),
         interpret=interpret,
         name="specjax_decode_attention",
-    )(jnp.asarray(layer, jnp.int32), start.astype(jnp.int32),
+    )(jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32), start.astype(jnp.int32),
       q.reshape(flat_rows, head_dim), k_cache, v_cache)
     if splits > 1:
         result = _merge_splits(*result).astype(q.dtype)
@@ -150,19 +155,20 @@ def attention_triton(
 
 def _merge_splits(partial_out: jax.Array, partial_lse2: jax.Array) -> jax.Array:
     """Combine per-split normalized outputs [P,N,D] by their base-2 log-sum-exp [P,N]."""
-    # Split 0 always holds slot 0, which every row sees, so the max is finite.
+    # Every row sees its own slot, which one split holds, so each row's max over the splits is finite.
     top = partial_lse2.max(axis=0, keepdims=True)
     weights = jnp.exp2(partial_lse2 - top)
     return (partial_out * weights[..., None]).sum(axis=0) / weights.sum(axis=0)[..., None]
 
 
-def _attention_kernel(layer_ref, start_ref, q_ref, k_ref, v_ref, out_ref, lse_ref=None, *,
+def _attention_kernel(layer_ref, window_ref, start_ref, q_ref, k_ref, v_ref, out_ref, lse_ref=None, *,
                       scale: float, group: int, num_tokens: int, num_q_heads: int,
                       rows_per_tile: int, block_k: int, num_splits: int,
                       precision: lax.Precision) -> None:
     """One (b, kv head, split, row tile): online softmax over this split's visible KV blocks."""
     b, h, split, tile = (pl.program_id(axis) for axis in range(4))
     layer = layer_ref[...]
+    window = window_ref[...]
     start = start_ref[0]
     row = tile * rows_per_tile + lax.broadcasted_iota(jnp.int32, (rows_per_tile,), 0)
     real_row = row < num_tokens * group
@@ -172,13 +178,16 @@ def _attention_kernel(layer_ref, start_ref, q_ref, k_ref, v_ref, out_ref, lse_re
     flat_row = jnp.where(real_row, (b * num_tokens + token) * num_q_heads + h * group + lax.rem(row, group),
                          q_ref.shape[0])[:, None]
     columns = lax.broadcasted_iota(jnp.int32, (1, q_ref.shape[1]), 1)
-    # Exclusive end of the slots each row sees: its token's position + 1.
+    # The slots each row sees: [row_first, row_end), its token's position + 1 being the end.
     row_end = start + token + 1
+    row_first = _window_first(row_end, window)
     last_token = jnp.minimum(lax.div(tile * rows_per_tile + rows_per_tile - 1, group), num_tokens - 1)
     tile_end = start + last_token + 1
-    # Split [0, tile_end) into num_splits block-aligned ranges of the live length.
-    per_split = pl.cdiv(pl.cdiv(tile_end, num_splits), block_k) * block_k
-    lo = split * per_split
+    # The tile's earliest row sees the earliest slots; its block holds the tile's first visible slot.
+    tile_lo = lax.div(_window_first(start + lax.div(tile * rows_per_tile, group) + 1, window), block_k) * block_k
+    # Split [tile_lo, tile_end) into num_splits block-aligned ranges of the live length.
+    per_split = pl.cdiv(pl.cdiv(tile_end - tile_lo, num_splits), block_k) * block_k
+    lo = tile_lo + split * per_split
     hi = jnp.minimum(lo + per_split, tile_end)
     num_blocks = jnp.maximum(pl.cdiv(hi - lo, block_k), 0)
 
@@ -196,7 +205,8 @@ def _attention_kernel(layer_ref, start_ref, q_ref, k_ref, v_ref, out_ref, lse_re
         block = pl.ds(pl.multiple_of(first, block_k), block_k)
         k = plt.load(k_ref.at[layer, b, h, block, :], mask=loadable, other=0.0)
         logits = plt.dot(q, k, trans_b=True, precision=precision) * scale2
-        logits = jnp.where(slots[None, :] < row_end[:, None], logits, -jnp.inf)
+        visible = (slots[None, :] < row_end[:, None]) & (slots[None, :] >= row_first[:, None])
+        logits = jnp.where(visible, logits, -jnp.inf)
         new_max = jnp.maximum(row_max, logits.max(axis=1))
         rescale = jnp.exp2(row_max - new_max)
         probs = jnp.exp2(logits - new_max[:, None])
@@ -218,3 +228,9 @@ def _attention_kernel(layer_ref, start_ref, q_ref, k_ref, v_ref, out_ref, lse_re
     plt.store(out_ref.at[split, flat_row, columns], normalized, mask=real_row[:, None])
     lse2 = jnp.where(has_mass, row_max + jnp.log2(safe_sum), -jnp.inf)
     plt.store(lse_ref.at[split, flat_row[:, 0]], lse2, mask=real_row)
+
+
+def _window_first(end: jax.Array, window: jax.Array) -> jax.Array:
+    """The first slot a query whose visible slots end (exclusive) at `end` sees: 0 without a window (0), else
+    the window's first slot, end - window (never below 0)."""
+    return jnp.where(window > 0, jnp.maximum(end - window, 0), 0)

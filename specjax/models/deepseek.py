@@ -24,7 +24,7 @@ from specjax.kernels.projection_reference import rms_norm
 from specjax.models.family import ForwardAux
 from specjax.models.fp8 import dequantize_blocks
 from specjax.models.mla import LatentCache, mla_attention, split_kv_b
-from specjax.models.moe import SCORING_FUNCS, TOPK_METHODS, Routing, moe, swiglu_mlp
+from specjax.models.moe import SCORING_FUNCS, TOPK_METHODS, Routing, moe, splits_shared, swiglu_mlp
 from specjax.models.rope import rotary, rope_type, yarn_softmax_scale
 from specjax.models.weight_map import LeafSpec
 from specjax.parallel.plan import PartitionRules, nest_paths
@@ -302,16 +302,22 @@ def ignored_tensors(cfg: DeepseekConfig) -> str | None:
 def partition_rules(cfg: DeepseekConfig, tensor_parallel_size: int) -> PartitionRules:
     """MLA heads split (q_b / q columns and w_uk / w_uv by head, o rows), the latent path (q_a, kv_a and their
     norms) replicated; the dense MLP and the shared experts Megatron-style (gate/up by column, down by row);
-    the routed experts split over the expert axis (expert parallel); embedding and lm_head by vocabulary. FP8
-    block scales are small and replicated. A vocabulary not divisible by tp is replicated."""
+    the routed experts split over the expert axis (expert parallel: models/moe.py, one all-reduce per layer), the
+    shared experts by intermediate column where they divide (in whole FP8 blocks); embedding and lm_head by
+    vocabulary. Other FP8 block scales are small and replicated. A vocabulary not divisible by tp is
+    replicated."""
     vocab = -2 if cfg.vocab_size % tensor_parallel_size == 0 else None
+    shared = splits_shared(cfg.moe_intermediate_size * cfg.n_shared_experts, tensor_parallel_size, cfg.block)
     rules: dict[str, int | None] = {
         "embed": vocab, "lm_head": -1 if vocab is not None else None, "final_norm": None,
         "attn_norm": None, "mlp_norm": None, "q_norm": None, "kv_norm": None, "wq_a": None, "wkv_a": None,
         "wq": -1, "wq_b": -1, "w_uk": -3, "w_uv": -3, "wo": -2,
-        "w_gate": -1, "w_up": -1, "w_down": -2, "ws_gate": -1, "ws_up": -1, "ws_down": -2,
-        "w_router": None, "router_bias": None, "we_gate": -3, "we_up": -3, "we_down": -3}
-    return {**rules, **{name + "_scale": None for name in list(rules)}}
+        "w_gate": -1, "w_up": -1, "w_down": -2, "w_router": None, "router_bias": None,
+        "ws_gate": -1 if shared else None, "ws_up": -1 if shared else None, "ws_down": -2 if shared else None}
+    scales = {name + "_scale": None for name in rules}
+    experts = {name: -3 for name in ("we_gate", "we_up", "we_down", "we_gate_scale", "we_up_scale", "we_down_scale")}
+    shared_scales = {name + "_scale": rules[name] for name in ("ws_gate", "ws_up", "ws_down")}
+    return {**rules, **scales, **experts, **shared_scales}
 
 
 def check_tensor_parallel(cfg: DeepseekConfig, tensor_parallel_size: int, *, field: str) -> None:

@@ -30,6 +30,10 @@ from specjax.parallel.mesh import shards_kv_heads
 from specjax.parallel.plan import PartitionRules
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# transformers' sliding_window where Mistral's and Qwen2/3's config.json leave it out.
+DEFAULT_SLIDING_WINDOW = 4096
+# The layer_types entries these architectures know, and whether the layer attends through a sliding window.
+LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +56,26 @@ class LlamaConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+    # Per layer, the sliding window in tokens (a query sees its own token and the window - 1 before it), 0 for
+    # full attention; () when every layer attends fully.
+    attention_windows: tuple[int, ...] = ()
+
+    def sliding_window(self, layer: int | jax.Array) -> int | jax.Array:
+        """The window of `layer` (0 = none): a Python int where it is known without tracing (every layer alike,
+        or `layer` a Python int, as in the unrolled layout), else picked by the traced index under lax.scan."""
+        windows = self.attention_windows or (0,)
+        if len(set(windows)) == 1:
+            return windows[0]
+        if isinstance(layer, int):
+            return windows[layer]
+        return jnp.asarray(windows, jnp.int32)[layer]
+
+    def window_covers(self, tokens: int, layer: int | jax.Array) -> bool:
+        """Whether `tokens` fresh tokens from position 0 attend in `layer` as under plain causal attention (no
+        window, or one at least that wide); for a traced layer, in every layer."""
+        window = self.sliding_window(layer)
+        windows = (window,) if isinstance(window, int) else self.attention_windows
+        return all(w == 0 or tokens <= w for w in windows)
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> LlamaConfig:
@@ -59,12 +83,14 @@ class LlamaConfig:
         heads = _required(d, "num_attention_heads")
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        num_layers = _required(d, "num_hidden_layers")
+        max_positions = d.get("max_position_embeddings", 2048)
         return cls(
             architecture=arch,
             vocab_size=_required(d, "vocab_size"),
             hidden_size=_required(d, "hidden_size"),
             intermediate_size=_required(d, "intermediate_size"),
-            num_layers=_required(d, "num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
@@ -75,10 +101,11 @@ class LlamaConfig:
             # Qwen2 always has q/k/v biases; Llama/Mistral only when `attention_bias` says so.
             attention_bias=d.get("attention_bias", arch.startswith("Qwen2")),
             qk_norm=arch.startswith("Qwen3"),
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_positions,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+            attention_windows=_attention_windows(d, arch, num_layers, max_positions),
         )
 
 
@@ -87,6 +114,42 @@ def _required(d: Mapping[str, Any], key: str) -> Any:
         raise ValueError(f"config.json has no {key!r}, which a {(d.get('architectures') or ['Llama'])[0]} "
                          "config needs: the file is incomplete or belongs to another architecture")
     return d[key]
+
+
+def _attention_windows(d: Mapping[str, Any], arch: str, num_layers: int, max_positions: int) -> tuple[int, ...]:
+    """Per-layer windows as transformers 5 applies them. Mistral: every layer, by sliding_window (null: none).
+    Qwen2/Qwen3: only with use_sliding_window, in the layers layer_types names "sliding_attention" (without
+    layer_types: layer max_window_layers and those after it). Llama: none. A window no shorter than
+    max_position_embeddings can hide nothing and counts as none (the fused prefill stays open)."""
+    if arch == "MistralForCausalLM":
+        window, windowed = d.get("sliding_window", DEFAULT_SLIDING_WINDOW), [True] * num_layers
+    elif arch.startswith("Qwen"):
+        window = d.get("sliding_window", DEFAULT_SLIDING_WINDOW) if d.get("use_sliding_window", False) else None
+        windowed = _windowed_layers(d, num_layers, window is not None)
+    else:
+        return ()
+    if window is None:
+        return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"config.json's sliding_window must be a positive number of tokens or null, got {window!r}")
+    if window >= max_positions or not any(windowed):
+        return ()
+    return tuple(window if w else 0 for w in windowed)
+
+
+def _windowed_layers(d: Mapping[str, Any], num_layers: int, has_window: bool) -> list[bool]:
+    """Qwen2/Qwen3: which layers have the sliding window, from layer_types or else max_window_layers."""
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        first = d.get("max_window_layers", 28)
+        return [has_window and i >= first for i in range(num_layers)]
+    if not isinstance(layer_types, (list, tuple)) or len(layer_types) != num_layers:
+        raise ValueError(f"config.json's layer_types must list one entry per layer ({num_layers}), got {layer_types!r}")
+    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"config.json's layer_types has {unknown}, which specjax does not implement; supported: "
+                         f"{', '.join(LAYER_TYPES)}")
+    return [LAYER_TYPES[t] for t in layer_types]
 
 
 def _rope_theta(d: Mapping[str, Any]) -> float:
@@ -297,9 +360,12 @@ class LlamaForCausalLM(nnx.Module):
             def attend(q, k, v):
                 nonlocal k_cache, v_cache
                 k_cache, v_cache = write_layer(k_cache, i, k, start), write_layer(v_cache, i, v, start)
-                if fresh:
+                # The fused prefill knows no window: a prompt longer than the layer's window takes the cache
+                # path, which applies it.
+                if fresh and cfg.window_covers(q.shape[1], i):
                     return prefill_attention(q, k, v, k_cache, v_cache, i, scale=scale, kernels=kernels)
-                return attention(q, k_cache, v_cache, i, start, scale=scale, kernels=kernels)
+                return attention(q, k_cache, v_cache, i, start, scale=scale, window=cfg.sliding_window(i),
+                                 kernels=kernels)
 
             out = decoder_layer(h, h, w, cfg, positions, rotate, attend, kernels, input_norm=w["attn_norm"])
             return (out, k_cache, v_cache), h

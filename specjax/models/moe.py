@@ -28,7 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax.sharding import PartitionSpec as P
+
 from specjax.models.fp8 import dequantize_stack, linear
+from specjax.parallel.mesh import Layout, current_layout
 
 EXPERT_FORMS = ("auto", "dense", "grouped", "gathered")
 SCORING_FUNCS = ("sigmoid", "softmax")
@@ -155,8 +158,61 @@ def swiglu_mlp(x: jax.Array, weights: Mapping[str, jax.Array], prefix: str,
 
 def moe(x: jax.Array, weights: Mapping[str, jax.Array], routing: Routing, *, form: str = "auto",
         block: tuple[int, int] | None = None) -> jax.Array:
-    """The MoE block on x [..., hidden]: routed experts plus the shared experts."""
+    """The MoE block on x [..., hidden]: routed experts plus the shared experts. Traced under a tensor-parallel
+    layout, expert parallel (`_expert_parallel`)."""
     tokens = x.reshape(-1, x.shape[-1])
     ids, routing_weights = route(tokens, weights["w_router"], weights.get("router_bias"), routing)
+    layout = current_layout()
+    if layout is not None and layout.shards > 1:
+        return _expert_parallel(tokens, ids, routing_weights, weights, layout, form, block).reshape(x.shape)
     routed = routed_experts(tokens, ids, routing_weights, weights, form=form, block=block)
-    return (routed + swiglu_mlp(tokens, weights, "ws_", block)).reshape(x.shape)
+    return (routed + _shared(tokens, weights, block)).reshape(x.shape)
+
+
+def _shared(tokens: jax.Array, weights: Mapping[str, jax.Array], block) -> jax.Array:
+    """The shared experts' output (zero for a layer without them)."""
+    if "ws_gate" not in weights:
+        return jnp.zeros_like(tokens)
+    return swiglu_mlp(tokens, weights, "ws_", block)
+
+
+EXPERT_LEAVES = ("we_gate", "we_up", "we_down")
+SHARED_COLUMNS, SHARED_ROWS = ("ws_gate", "ws_up"), ("ws_down",)
+
+
+def _expert_parallel(tokens, ids, routing_weights, weights, layout: Layout, form: str, block) -> jax.Array:
+    """Each device runs its own slice of the routed experts (the expert axis split over the layout's axis) on
+    every token, its slots for other devices' experts weighted 0, and its columns of the shared experts (split
+    like a dense MLP when the model's partition rules split them); the partial outputs meet in one all-reduce."""
+    axis = layout.head_axis
+    experts = {name: weights[name] for name in weights if name.split("_scale")[0] in EXPERT_LEAVES}
+    shared = {name: weights[name] for name in weights if name.startswith("ws_")}
+    split_shared = "ws_gate" in shared and splits_shared(shared["ws_gate"].shape[-1], layout.shards, block)
+    shared_specs = {name: _shared_spec(name, axis) if split_shared else P() for name in shared}
+
+    def local(tokens, ids, routing_weights, experts, shared):
+        count = experts["we_gate"].shape[0]
+        local_ids = ids - jax.lax.axis_index(axis) * count
+        mine = (local_ids >= 0) & (local_ids < count)
+        routed = routed_experts(tokens, jnp.clip(local_ids, 0, count - 1), jnp.where(mine, routing_weights, 0.0),
+                                experts, form=form, block=block)
+        own_shared = _shared(tokens, shared, block)
+        if not split_shared:   # whole on every device: count it once in the sum
+            own_shared = jnp.where(jax.lax.axis_index(axis) == 0, own_shared, 0)
+        return jax.lax.psum(routed + own_shared, axis)
+
+    return jax.shard_map(local, mesh=layout.mesh,
+                         in_specs=(P(), P(), P(), {name: P(axis) for name in experts}, shared_specs),
+                         out_specs=P(), check_vma=False)(tokens, ids, routing_weights, experts, shared)
+
+
+def splits_shared(width: int, shards: int, block: tuple[int, int] | None) -> bool:
+    """Whether the shared experts' `width` intermediate columns divide over `shards` devices (FP8 ones in whole
+    blocks, so that each device's columns have their own block scales); else they stay whole on every device."""
+    return width % shards == 0 and (block is None or (width // shards) % block[0] == 0
+                                    and (width // shards) % block[1] == 0)
+
+
+def _shared_spec(name: str, axis: str) -> P:
+    base = name.split("_scale")[0]
+    return P(None, axis) if base in SHARED_COLUMNS else P(axis, None)
