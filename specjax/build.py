@@ -19,18 +19,20 @@ from jax.sharding import Mesh
 from transformers import GenerationConfig
 
 from checkpoints_conv.eagle_loader import EAGLE_HEAD_FILES, load_eagle_head
+from checkpoints_conv.mtp_loader import load_mtp_head
 from checkpoints_conv.orbax_io import load_checkpoint
 from specjax.config import EngineConfig, SpeculativeConfig, check_draft_compatible, check_kv_cache_fits
 from specjax.config.dtypes import NUMPY_DTYPES
 from specjax.engine.proposers.base import NoProposer, Proposer
 from specjax.engine.proposers.draft_model import DraftModelProposer
-from specjax.engine.proposers.eagle import EagleProposer
+from specjax.engine.proposers.eagle import HeadProposer
 from specjax.engine.proposers.ngram import NgramProposer
 from specjax.engine.shapes import buffer_len
 from specjax.hub import load_tokenizer, resolve_model
 from specjax.kernels.policy import KernelPolicy
 from specjax.models.family import CausalLM, ModelConfig, ModelFamily
-from specjax.models.registry import config_from_dir
+from specjax.models.mtp import num_mtp_layers
+from specjax.models.registry import config_from_hf, read_config_json
 from specjax.parallel.mesh import build_mesh
 from specjax.parallel.plan import param_shardings, replicate_onto
 from specjax.parallel.sharded_loop import Replicated
@@ -41,6 +43,7 @@ class Target:
     """The loaded target and what its proposer may share or must match."""
     family: ModelFamily
     cfg: ModelConfig
+    model_dir: Path
     module: CausalLM
     graph: nnx.GraphDef
     params: Any
@@ -65,8 +68,9 @@ def build_engine(config: EngineConfig) -> Engine:
     """Resolve `config` against the model, check what can be checked before loading (speculative config,
     tensor-parallel split), load the target and the proposer, then check that every cache fits."""
     path = resolve_model(config.model, revision=config.revision)
-    family, model_cfg = config_from_dir(path)
-    config = config.resolve(model_cfg)
+    hf_config = read_config_json(path)
+    family, model_cfg = config_from_hf(hf_config)
+    config = config.resolve(model_cfg, num_mtp_layers(hf_config))
     tokenizer = load_tokenizer(path if config.tokenizer == config.model else config.tokenizer,
                                trust_remote_code=config.trust_remote_code)
     target = load_target(family, model_cfg, path, config)
@@ -90,8 +94,8 @@ def load_target(family: ModelFamily, cfg: ModelConfig, path: Path, config: Engin
     params = load_checkpoint(path, weight_map, dtype, shardings, ignored=family.ignored_tensors(cfg))
     module = family.build(cfg, params, kernels=kernels, unroll_layers=config.unroll_layers)
     graph, params = nnx.split(module)
-    return Target(family=family, cfg=cfg, module=module, graph=graph, params=params, dtype=dtype, kernels=kernels,
-                  mesh=mesh)
+    return Target(family=family, cfg=cfg, model_dir=path, module=module, graph=graph, params=params, dtype=dtype,
+                  kernels=kernels, mesh=mesh)
 
 
 def build_proposer(spec: SpeculativeConfig | None, target: Target, *,
@@ -113,7 +117,7 @@ def _draft_model(spec: SpeculativeConfig, target: Target, unroll_layers: bool | 
     """A smaller model of the target's vocabulary, placed on the target's mesh: replicated when
     draft_tensor_parallel_size is 1, split like the target when equal."""
     path = resolve_model(spec.model, revision=spec.revision)
-    family, cfg = config_from_dir(path)
+    family, cfg = config_from_hf(read_config_json(path))
     check_draft_compatible(target.cfg, cfg)
     weight_map = family.weight_map(cfg)
     shardings, shards = None, 1
@@ -141,9 +145,21 @@ def _eagle(spec: SpeculativeConfig, target: Target, unroll_layers: bool | None) 
     stay split over the vocabulary."""
     path = resolve_model(spec.model, revision=spec.revision, allow_patterns=EAGLE_HEAD_FILES)
     head = load_eagle_head(path, spec.method, target.cfg, target.params, target.dtype, kernels=target.kernels)
+    return _head_proposer(head, spec, target)
+
+
+def _mtp(spec: SpeculativeConfig, target: Target, unroll_layers: bool | None) -> tuple[Proposer, Any]:
+    """The target's own MTP layer (or an MTP head directory's), sharing its embedding and lm_head, replicated
+    on every device like an EAGLE head (its block is one decoder layer)."""
+    path = target.model_dir if spec.model is None else resolve_model(spec.model, revision=spec.revision)
+    head = load_mtp_head(path, target.cfg, target.params, target.dtype, kernels=target.kernels)
+    return _head_proposer(head, spec, target)
+
+
+def _head_proposer(head: Any, spec: SpeculativeConfig, target: Target) -> tuple[Proposer, Any]:
     graph, state = nnx.split(head)
-    proposer = EagleProposer(graph, head, spec.num_speculative_tokens,
-                             probabilistic=spec.draft_sample_method == "probabilistic")
+    proposer = HeadProposer(graph, head, spec.num_speculative_tokens,
+                            probabilistic=spec.draft_sample_method == "probabilistic")
     if target.mesh is None:
         return proposer, state
     return Replicated(proposer), replicate_onto(state, target.mesh)
@@ -151,7 +167,7 @@ def _eagle(spec: SpeculativeConfig, target: Target, unroll_layers: bool | None) 
 
 Builder = Callable[[SpeculativeConfig, Target, "bool | None"], "tuple[Proposer, Any]"]
 PROPOSER_BUILDERS: dict[str, Builder] = {"ngram": _ngram, "draft_model": _draft_model, "eagle": _eagle,
-                                         "eagle3": _eagle}
+                                         "eagle3": _eagle, "mtp": _mtp}
 
 
 def check_caches_fit(config: EngineConfig, target: Target, proposer: Proposer, free_bytes: int) -> None:

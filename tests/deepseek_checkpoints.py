@@ -201,3 +201,61 @@ def write_fp8_copy(src_dir: Path, out_dir: Path, *, block: tuple[int, int] = (12
         index["weight_map"].update(added)
         (out_dir / index_path.name).write_text(json.dumps(index, indent=2))
     return out_dir
+
+
+def save_tiny_deepseek_with_mtp(variant: str, out_dir: Path, *, seed: int = 0):
+    """(target model, transformers MtpModel, out_dir): `variant` saved as in save_tiny_deepseek plus one MTP layer
+    built with transformers' MtpModel (norms, router and bias randomised like the target's), written in
+    DeepSeek-V3's layout: model.layers.{num_hidden_layers}.{enorm, hnorm, eh_proj, shared_head.norm, <the
+    decoder block's tensors, experts one by one>}, with the duplicated embed_tokens and shared_head.head."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers.modeling_layers import MtpModel
+
+    model = build_tiny_deepseek(variant, seed=seed)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    torch.manual_seed(seed + 7)
+    mtp = MtpModel(model, 1).to(torch.float32).eval()
+    _initialize_fused_experts(mtp, model.config.initializer_range, seed + 7)
+    _randomize_norms_and_router(mtp, seed + 7)
+    layer = model.config.num_hidden_layers
+    tensors = load_file(Path(out_dir) / "model.safetensors")
+    tensors.update(_deepseek_mtp_tensors(mtp.state_dict(), layer, model.config.moe_intermediate_size))
+    save_file(tensors, Path(out_dir) / "model.safetensors", metadata={"format": "pt"})
+    return model, mtp, Path(out_dir)
+
+
+def _initialize_fused_experts(mtp, std: float, seed: int) -> None:
+    """MtpModel leaves its block's fused expert tensors uninitialised (zeros or garbage): draw them normally."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in mtp.named_parameters():
+            if ".experts." in name:
+                param.copy_(std * torch.randn(param.shape, generator=gen))
+
+
+def _deepseek_mtp_tensors(state: dict, layer: int, intermediate: int) -> dict:
+    """MtpModel's state dict under DeepSeek-V3's MTP names (vLLM's and DeepSeek's README_WEIGHTS layout)."""
+    out, prefix = {}, f"model.layers.{layer}."
+    for name, tensor in state.items():
+        tensor = tensor.detach().clone().contiguous()
+        if name.startswith("layers.0.mtp_block.mlp.experts.gate_up_proj"):
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = tensor[e, :intermediate].contiguous()
+                out[f"{prefix}mlp.experts.{e}.up_proj.weight"] = tensor[e, intermediate:].contiguous()
+        elif name.startswith("layers.0.mtp_block.mlp.experts.down_proj"):
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = tensor[e].contiguous()
+        elif name.startswith("layers.0.mtp_block."):
+            out[prefix + name.removeprefix("layers.0.mtp_block.")] = tensor
+        elif name == "layers.0.post_norm.weight":
+            out[prefix + "shared_head.norm.weight"] = tensor
+        elif name.startswith("layers.0."):
+            out[prefix + name.removeprefix("layers.0.")] = tensor
+        elif name == "embed_tokens.weight":
+            out[prefix + "embed_tokens.weight"] = tensor
+        elif name == "shared_head.weight":
+            out[prefix + "shared_head.head.weight"] = tensor
+    return out

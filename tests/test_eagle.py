@@ -20,7 +20,7 @@ from specjax import LLM, SamplingParams
 from specjax import config as config_lib
 from specjax.engine.loop import LoopSpec, build_generate
 from specjax.engine.proposers.base import TargetPass
-from specjax.engine.proposers.eagle import EagleProposer
+from specjax.engine.proposers.eagle import HeadProposer
 from specjax.engine.state import RowParams
 from specjax.models.eagle import EagleHead, default_aux_layer_ids
 from specjax.models.llama import FAMILY, LlamaConfig
@@ -104,7 +104,7 @@ def test_incremental_drafts_equal_a_recomputation_from_scratch(tmp_path, tiny_ta
     target = nnx.merge(*tiny_target)
     head = _tiny_head(tmp_path, tiny_target, layout, **extra)
     graph, state = nnx.split(head)
-    proposer = EagleProposer(graph, head, k, probabilistic=False)
+    proposer = HeadProposer(graph, head, k, probabilistic=False)
 
     @jax.jit
     def run_target(tokens, start, cache):
@@ -158,7 +158,7 @@ def test_sampled_tokens_follow_the_target_and_use_the_heads_q(tmp_path, tiny_tar
     N, k, S = 2048, 1, 16
     head = _tiny_head(tmp_path, tiny_target, "eagle3_yuhuili", draft_vocab=30, aux_layer_ids=TINY_AUX)
     graph, state = nnx.split(head)
-    proposer = EagleProposer(graph, head, k, probabilistic=True)
+    proposer = HeadProposer(graph, head, k, probabilistic=True)
     prompt = np.asarray([3, 14, 15, 9, 26, 5], np.int32)
     rows = dataclasses.replace(_greedy_rows(1), temperature=jnp.ones((1,)), max_tokens=jnp.full((1,), 3, jnp.int32))
     generate = build_generate(tiny_target[0], proposer, LoopSpec(k=k, n_top=0, max_model_len=S))

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from deepseek_checkpoints import save_tiny_deepseek, write_fp8_copy
+from deepseek_checkpoints import save_tiny_deepseek, save_tiny_deepseek_with_mtp, write_fp8_copy
 from eagle_heads import write_head
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -440,6 +440,22 @@ def test_deepseek_at_tp_2_4_8_equals_tp1_with_experts_split(deepseek_dirs, defau
             assert {s.data.shape[1] for s in experts.addressable_shards} == {8 // tp}
             assert llm.params["moe"]["w_uk"][...].addressable_shards[0].data.shape[1] == 8 // tp
     assert outs[2] == outs[1] and outs[4] == outs[1] and outs[8] == outs[1]
+
+
+@needs_8
+def test_the_vllm_mtp_example_at_tp8_equals_tp1(tmp_path, default_model_dir):
+    """vLLM's MTP example with a tiny DeepSeek-V3 directory in place of the hub id: trust_remote_code,
+    tensor_parallel_size=8 on 8 CPU devices, the target's own MTP layer drafting; the same tokens and
+    acceptance as on one device."""
+    _, _, path = save_tiny_deepseek_with_mtp("v3_tp8", tmp_path / "v3_mtp")
+    prompts = [{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}, {"prompt_token_ids": [40, 41, 42]}]
+    outs = {}
+    for tp in (1, 8):
+        llm = LLM(model=str(path), tokenizer=str(default_model_dir), trust_remote_code=True, tensor_parallel_size=tp,
+                  dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **LIMITS)
+        outs[tp] = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert llm.get_metrics()[0].value > 0   # vllm:spec_decode_num_drafts
+    assert _tokens(outs[8]) == _tokens(outs[1]) and _accepted(outs[8]) == _accepted(outs[1])
 
 
 @needs_8

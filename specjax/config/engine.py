@@ -12,6 +12,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+
 from specjax.config.dtypes import canonical_dtype
 from specjax.config.speculative import SpeculativeConfig
 from specjax.config.validators import (ANY, check_bool, check_int, check_memory_fraction, check_optional_str,
@@ -20,6 +22,8 @@ from specjax.kernels.policy import IMPLS
 
 # vLLM's offline LLM default; the engine may run fewer rows when fewer prompts are given.
 DEFAULT_MAX_NUM_SEQS = 256
+# vLLM's default bound on logprobs and prompt_logprobs per token (-1: the whole vocabulary).
+DEFAULT_MAX_LOGPROBS = 20
 
 # vLLM EngineArgs that tune its CUDA engine (memory manager, scheduler, CUDA graphs, ...):
 # accepted and ignored. Where a non-default value would change the results (quantized
@@ -44,7 +48,6 @@ NO_EFFECT_KWARGS: dict[str, Any] = {
     "load_format": ANY,
     "download_dir": ANY,
     "distributed_executor_backend": ANY,
-    "max_logprobs": ANY,
     "enable_sleep_mode": ANY,
     "kv_cache_memory_bytes": ANY,
     "served_model_name": ANY,
@@ -60,7 +63,7 @@ NO_EFFECT_KWARGS: dict[str, Any] = {
 ACCEPTED_KWARGS = (
     "model", "tokenizer", "dtype", "tensor_parallel_size", "max_model_len", "max_num_seqs", "seed",
     "gpu_memory_utilization", "enforce_eager", "trust_remote_code", "revision", "speculative_config",
-    "attention_impl", "unroll_layers",
+    "max_logprobs", "attention_impl", "unroll_layers",
 )
 
 
@@ -72,10 +75,15 @@ class EngineConfig:
     tokenizer: defaults to `model`. dtype: "auto", "float32", "bfloat16" or "float16" ("auto": config.json's
     torch_dtype, made concrete by `resolve`). max_model_len: None means the model's own limit (made concrete
     by `resolve`). seed: None draws a random one at `resolve` (unseeded requests then differ between engines,
-    as in vLLM). speculative_config: the dict as given; `speculative` is its parsed form (None until
-    `resolve`, and without speculation). attention_impl: "auto" (the Pallas kernels where they run:
-    attention, the fused projections, the top-k/top-p search), "reference" (pure JAX everywhere) or "triton"
-    (the kernels forced).
+    as in vLLM). enforce_eager: as vLLM's, no CUDA graphs: the generate loop is compiled without XLA's command
+    buffers, so each kernel launches from the host (slower; for profiling and debugging); nothing changes off
+    GPUs, which warn so. trust_remote_code: passed to the tokenizer's loader (a tokenizer class shipped with the
+    model may run); model code from a checkpoint is never run, the families in specjax/models/ implement every
+    architecture. speculative_config: the dict as given; `speculative` is its parsed form (None until
+    `resolve`, and without speculation). max_logprobs: the most logprobs / prompt_logprobs a request may ask
+    for (vLLM's default 20; -1: the whole vocabulary). attention_impl: "auto" (the Pallas kernels where they
+    run: attention, the fused projections, the top-k/top-p search), "reference" (pure JAX everywhere) or
+    "triton" (the kernels forced).
     """
 
     model: str
@@ -90,6 +98,7 @@ class EngineConfig:
     trust_remote_code: bool = False
     revision: str | None = None
     speculative_config: Mapping[str, Any] | None = None
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
     attention_impl: str = "auto"
     unroll_layers: bool | None = None
     speculative: SpeculativeConfig | None = None
@@ -107,19 +116,24 @@ class EngineConfig:
         model = path_or_id(model, "model")
         tokenizer = kwargs.pop("tokenizer", None)
         tokenizer = model if tokenizer is None else path_or_id(tokenizer, "tokenizer")
-        config = cls(model=model, tokenizer=tokenizer, **kwargs)
-        return config._validated()
+        config = cls(model=model, tokenizer=tokenizer, **kwargs)._validated()
+        if config.enforce_eager and jax.default_backend() != "gpu":
+            warnings.warn(f"LLM(): enforce_eager=True has no effect on {jax.default_backend()}: only GPUs run the "
+                          "loop as CUDA graphs", stacklevel=3)
+        return config
 
-    def resolve(self, model_config: Any) -> EngineConfig:
+    def resolve(self, model_config: Any, num_mtp_layers: int = 0) -> EngineConfig:
         """These settings with what the model decides made concrete: max_model_len (checked against the
-        model's max_position_embeddings), dtype, seed and the parsed speculative config."""
+        model's max_position_embeddings), dtype, seed and the parsed speculative config (num_mtp_layers: the
+        MTP layers the target's checkpoint carries)."""
         max_model_len = _max_model_len(self.max_model_len, model_config.max_position_embeddings)
         dtype = self.dtype if self.dtype != "auto" else _checkpoint_dtype(model_config.torch_dtype)
         return dataclasses.replace(
             self, max_model_len=max_model_len, dtype=dtype,
             seed=secrets.randbelow(2**31) if self.seed is None else self.seed,
             speculative=SpeculativeConfig.from_dict(self.speculative_config, target_max_model_len=max_model_len,
-                                                    target_tensor_parallel_size=self.tensor_parallel_size))
+                                                    target_tensor_parallel_size=self.tensor_parallel_size,
+                                                    target_mtp_layers=num_mtp_layers))
 
     def _validated(self) -> EngineConfig:
         check_int(self.tensor_parallel_size, "tensor_parallel_size", minimum=1)
@@ -133,6 +147,7 @@ class EngineConfig:
             check_bool(getattr(self, name), name)
         if self.unroll_layers is not None:
             check_bool(self.unroll_layers, "unroll_layers")
+        check_int(self.max_logprobs, "max_logprobs", minimum=-1)
         check_optional_str(self.revision, "revision")
         if self.speculative_config is not None and not isinstance(self.speculative_config, Mapping):
             raise TypeError(f"speculative_config must be a dict (e.g. {{'method': 'ngram', "

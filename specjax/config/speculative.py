@@ -15,7 +15,9 @@ from specjax.config.validators import (ANY, check_int, check_optional_str, is_nu
 
 KNOWN_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 # The methods the engine runs; extend as proposers land.
-IMPLEMENTED_METHODS = frozenset({"ngram", "draft_model", "eagle", "eagle3"})
+IMPLEMENTED_METHODS = frozenset({"ngram", "draft_model", "eagle", "eagle3", "mtp"})
+# Model families whose checkpoints carry MTP layers, for the error a target without them gets.
+MTP_FAMILIES = "DeepSeek-V3 / V3.1 / R1 (num_nextn_predict_layers) and MiMo-7B (model.mtp_layers)"
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 REJECTION_SAMPLE_METHODS = ("standard", "synthetic")
 # vLLM's default n-gram window when neither bound is given.
@@ -64,8 +66,9 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None, *, target_max_model_len: int,
-                  target_tensor_parallel_size: int) -> SpeculativeConfig | None:
-        """Parse and validate `speculative_config`; None (no speculation) stays None."""
+                  target_tensor_parallel_size: int, target_mtp_layers: int = 0) -> SpeculativeConfig | None:
+        """Parse and validate `speculative_config`; None (no speculation) stays None. target_mtp_layers: the MTP
+        layers the target's checkpoint carries (method "mtp" drafts with them)."""
         if d is None:
             return None
         check_int(target_max_model_len, "target_max_model_len", minimum=1)
@@ -74,7 +77,13 @@ class SpeculativeConfig:
             raise TypeError(f"speculative_config must be a dict or None, got {d!r}")
         d = _spec_keys_checked(d)
         method, model = _infer_method(d.get("method"), d.get("model"))
-        k = _required_k(d.get("num_speculative_tokens"))
+        if method == "mtp":
+            k = _mtp_k(d.get("num_speculative_tokens"), target_mtp_layers, model)
+        else:
+            k = _required_k(d.get("num_speculative_tokens"))
+        if k >= target_max_model_len:
+            raise ValueError(f"speculative_config num_speculative_tokens={k} leaves no room within max_model_len="
+                             f"{target_max_model_len}: draft fewer tokens than max_model_len (a few, e.g. 3-5)")
         lookup_min, lookup_max = _prompt_lookup(method, d.get("prompt_lookup_min"), d.get("prompt_lookup_max"))
         draft_sample, rejection_sample = _sample_methods(d)
         return cls(
@@ -196,6 +205,27 @@ def method_from_head_config(d: Mapping[str, Any]) -> str | None:
     if "eagle" in architectures:
         return "eagle"
     return None
+
+
+def _mtp_k(k: Any, mtp_layers: int, model: str | None) -> int:
+    """vLLM's rules for method "mtp": k defaults to the number of MTP layers; a larger k must be a multiple of
+    it and runs the layers again on their own outputs (with vLLM's warning)."""
+    if model is None and mtp_layers == 0:
+        raise ValueError(f"speculative_config method 'mtp' drafts with the target's own MTP layers, and this target "
+                         f"has none (its config.json sets no num_nextn_predict_layers); targets that ship them: "
+                         f"{MTP_FAMILIES}. Pass 'model' (an MTP head directory) or use another method")
+    if k is None:
+        if mtp_layers == 0:
+            raise ValueError("speculative_config needs 'num_speculative_tokens' for an MTP head given as 'model'")
+        return mtp_layers
+    k = _required_k(k)
+    if mtp_layers and k > mtp_layers and k % mtp_layers:
+        raise ValueError(f"speculative_config num_speculative_tokens={k} must be a multiple of the target's "
+                         f"{mtp_layers} MTP layers when larger than it")
+    if k > 1:
+        warnings.warn("Enabling num_speculative_tokens > 1 will run multiple times of forward on same MTP layer, "
+                      "which may result in lower acceptance rate", stacklevel=5)
+    return k
 
 
 def _required_k(k: Any) -> int:

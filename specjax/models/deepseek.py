@@ -206,11 +206,13 @@ def weight_map(cfg: DeepseekConfig) -> dict[str, LeafSpec]:
         specs["lm_head"] = LeafSpec(("lm_head.weight",), (H, V), True)
     for group, layers in cfg.group_layers.items():
         if layers:
-            specs.update({f"{group}/{name}": spec for name, spec in _layer_map(cfg, group, layers).items()})
+            specs.update({f"{group}/{name}": spec for name, spec in layer_weight_map(cfg, group, layers).items()})
     return specs
 
 
-def _layer_map(cfg: DeepseekConfig, group: str, layers: tuple[int, ...]) -> dict[str, LeafSpec]:
+def layer_weight_map(cfg: DeepseekConfig, group: str, layers: tuple[int, ...]) -> dict[str, LeafSpec]:
+    """The leaves of decoder layers `layers` (stacked over them), all dense or all MoE (`group`); the target's
+    groups and its MTP layers' blocks use it."""
     H, L, fp8 = cfg.hidden_size, (len(layers),), cfg.fp8_block is not None
     heads_qk = cfg.num_heads * cfg.qk_head_dim
 
@@ -338,7 +340,7 @@ def default_unroll() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def _init_leaf(path: str, spec: LeafSpec, dtype, key: jax.Array) -> jax.Array:
+def init_leaf(path: str, spec: LeafSpec, dtype, key: jax.Array) -> jax.Array:
     """Random weights for benchmarks and tests: norms 1, the router bias 0, FP8 weights of unit scale under
     scales of 0.02, other matrices normal * 0.02."""
     name = path.rsplit("/", 1)[-1]
@@ -380,7 +382,7 @@ class DeepseekForCausalLM(nnx.Module):
         self.cfg = cfg
         self.kernels = kernels
         self.unroll_layers = default_unroll() if unroll_layers is None else unroll_layers
-        flat = {path: _init_leaf(path, spec, dtype, rngs.params()) for path, spec in weight_map(cfg).items()}
+        flat = {path: init_leaf(path, spec, dtype, rngs.params()) for path, spec in weight_map(cfg).items()}
         tree = nest_paths(flat)
         if self.unroll_layers:
             tree = unstack_groups(tree, cfg)
@@ -429,26 +431,32 @@ class DeepseekForCausalLM(nnx.Module):
         return h, latent, list(stacked_inputs)
 
     def _layer_fn(self, group: str, start: jax.Array, fresh: bool):
-        cfg, kernels, block = self.cfg, self.kernels, self.cfg.block
-        rotate = rotary(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, interleaved=cfg.rope_interleave,
-                        max_position_embeddings=cfg.max_position_embeddings)
-        scale = yarn_softmax_scale(cfg.qk_head_dim, cfg.rope_scaling)
-        absorbed = kernels.mla_absorbed and not fresh
-
         def layer(carry, xs):
             h, latent = carry
             w, index = xs
-            attn, latent = mla_attention(rms_norm(h, w["attn_norm"], cfg.rms_norm_eps), w, latent, index, start,
-                                         rotate=rotate, scale=scale, absorbed=absorbed, block=block)
-            h_attn = h + attn
-            x = rms_norm(h_attn, w["mlp_norm"], cfg.rms_norm_eps)
-            if group == "dense":
-                mlp = swiglu_mlp(x, w, "w_", block)
-            else:
-                mlp = moe(x, w, cfg.routing, form=kernels.moe_form, block=block)
-            return (h_attn + mlp, latent), h
+            out, latent = decoder_layer(h, latent, w, index, start, self.cfg, self.kernels, moe_layer=group == "moe",
+                                        fresh=fresh)
+            return (out, latent), h
 
         return layer
+
+
+def decoder_layer(h: jax.Array, latent: jax.Array, w: Mapping[str, jax.Array], index: jax.Array | int,
+                  start: jax.Array, cfg: DeepseekConfig, kernels: KernelPolicy, *, moe_layer: bool,
+                  fresh: bool = False) -> tuple[jax.Array, jax.Array]:
+    """One DeepSeek decoder layer on h [B, T, H] at positions start[b] + t: h += MLA(input_norm(h)) over layer
+    `index` of the latent cache, then h += MLP(post_attention_norm(h)), the MLP dense or MoE. The target's
+    layers and its MTP layers' blocks run this. Returns (h, latent)."""
+    rotate = rotary(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, interleaved=cfg.rope_interleave,
+                    max_position_embeddings=cfg.max_position_embeddings)
+    attn, latent = mla_attention(rms_norm(h, w["attn_norm"], cfg.rms_norm_eps), w, latent, index, start,
+                                 rotate=rotate, scale=yarn_softmax_scale(cfg.qk_head_dim, cfg.rope_scaling),
+                                 absorbed=kernels.mla_absorbed and not fresh, block=cfg.block)
+    h = h + attn
+    x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
+    if moe_layer:
+        return h + moe(x, w, cfg.routing, form=kernels.moe_form, block=cfg.block), latent
+    return h + swiglu_mlp(x, w, "w_", cfg.block), latent
 
 
 def _arrays(weights: nnx.Dict) -> dict[str, jax.Array]:

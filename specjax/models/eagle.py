@@ -73,6 +73,11 @@ class EagleConfig:
         return self.layers.hidden_size
 
     @property
+    def vocab_size(self) -> int:
+        """The target's vocabulary (the head's draft vocabulary may be a subset)."""
+        return self.layers.vocab_size
+
+    @property
     def reduced_vocab(self) -> bool:
         return self.draft_vocab_size != self.layers.vocab_size
 
@@ -244,6 +249,15 @@ class EagleHead(nnx.Module):
         if cfg.reduced_vocab:
             self.draft_to_target = Frozen(jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32))
 
+    @property
+    def dtype(self):
+        return self.fc[...].dtype
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """EAGLE-3 reads the residual stream entering these target layers; EAGLE-1 the final hidden state."""
+        return self.cfg.aux_layer_ids if self.cfg.method == "eagle3" else ()
+
     def combine(self, target_hidden: jax.Array) -> jax.Array:
         """The target's features -> the head's input hidden state [..., H]: EAGLE-3 projects the captured
         layers with fc; EAGLE-1 reads the target's final hidden state as is."""
@@ -253,12 +267,12 @@ class EagleHead(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.cfg.layers
-        return KVCache.init(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, self.fc[...].dtype)
+        return KVCache.init(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, self.dtype)
 
     def cache_bytes(self, batch: int, max_len: int) -> int:
         """Bytes of init_cache(batch, max_len); the head is replicated, so each device holds all of it."""
         c = self.cfg.layers
-        return KVCache.bytes(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, self.fc[...].dtype)
+        return KVCache.bytes(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, self.dtype)
 
     def __call__(self, tokens: jax.Array, hidden: jax.Array, start: jax.Array,
                  cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:

@@ -120,6 +120,20 @@ def _dense_experts(x, ids, weights, experts, block) -> jax.Array:
     return jnp.einsum("ne,enh->nh", combine, out).astype(x.dtype)
 
 
+@jax.custom_batching.custom_vmap
+def _ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """lax.ragged_dot, which JAX cannot vmap: under vmap (make_generate_fn vmapped over seeds) it runs once per
+    batch element, in sequence."""
+    return lax.ragged_dot(lhs, rhs, group_sizes)
+
+
+@_ragged_dot.def_vmap
+def _ragged_dot_vmap(axis_size: int, in_batched: list[bool], lhs, rhs, group_sizes):
+    args = [a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
+            for a, batched in zip((lhs, rhs, group_sizes), in_batched)]
+    return lax.map(lambda per_element: _ragged_dot(*per_element), tuple(args)), True
+
+
 def _grouped_experts(x, ids, weights, experts, block) -> jax.Array:
     """Token-slots sorted by expert, ragged_dot grouped matmuls, then unsorted and combined."""
     gate, up, down = _stacks(experts, block, x.dtype)
@@ -128,8 +142,8 @@ def _grouped_experts(x, ids, weights, experts, block) -> jax.Array:
     order = jnp.argsort(flat_ids, stable=True)
     group_sizes = jnp.bincount(flat_ids, length=gate.shape[0]).astype(jnp.int32)
     slots = x[order // k]
-    hidden = jax.nn.silu(lax.ragged_dot(slots, gate, group_sizes)) * lax.ragged_dot(slots, up, group_sizes)
-    out_sorted = lax.ragged_dot(hidden, down, group_sizes)
+    hidden = jax.nn.silu(_ragged_dot(slots, gate, group_sizes)) * _ragged_dot(slots, up, group_sizes)
+    out_sorted = _ragged_dot(hidden, down, group_sizes)
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted, unique_indices=True)
     return _combine(out.reshape(num_tokens, k, -1), weights, x.dtype)
 

@@ -1,4 +1,5 @@
-"""eagle / eagle3: a small head drafts k tokens from the target's hidden states, with its own KV cache.
+"""eagle / eagle3 / mtp: a small head drafts k tokens from the target's hidden states, with its own cache (an
+EAGLE head, models/eagle.py; the target's MTP layers, models/mtp.py; anything offering `DraftHead`).
 
 At position p the head reads the token at p+1 (input ids shifted left by one, as in vLLM) with the target's
 hidden state at p. `observe` runs after each target pass over the T positions it covered: the committed
@@ -9,6 +10,7 @@ then runs k - 1 single-token steps, each fed the previous draft and the head's o
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -17,40 +19,56 @@ from flax import nnx
 from specjax.engine import sampling
 from specjax.engine.proposers.base import TargetPass
 from specjax.engine.state import RowParams
-from specjax.models.eagle import EagleHead
-from specjax.models.kv_cache import KVCache
+from specjax.kernels.policy import KernelPolicy
+
+
+class DraftHead(Protocol):
+    """What the proposer asks of a head (its module, merged from the draft state inside the loop)."""
+    kernels: KernelPolicy
+    capture_layers: tuple[int, ...]   # target layers whose entering residual stream `combine` reads; () = final
+
+    @property
+    def dtype(self) -> Any: ...
+    def combine(self, target_features: jax.Array) -> jax.Array: ...
+    def init_cache(self, batch: int, max_len: int) -> Any: ...
+    def cache_bytes(self, batch: int, max_len: int) -> int: ...
+    def __call__(self, tokens: jax.Array, hidden: jax.Array, start: jax.Array,
+                 cache: Any) -> tuple[jax.Array, jax.Array, Any]: ...
+    def logits(self, out: jax.Array) -> jax.Array: ...           # over the head's (draft) vocabulary
+    def target_logits(self, out: jax.Array) -> jax.Array: ...    # over the target's vocabulary
+    def to_target_ids(self, draft_ids: jax.Array) -> jax.Array: ...
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class EagleCarry:
-    cache: KVCache               # the head's KV, valid for positions < lengths - 1
+    cache: Any                   # the head's cache, valid for positions < lengths - 1
     first: jax.Array             # i32 [B] the first draft of the next step
     first_probs: jax.Array       # f32 [B, V] its draft distribution ([B, 0] when drafting greedily)
     hidden: jax.Array            # [B, H] the head's hidden state at position lengths - 2, fed back with `first`
 
 
-class EagleProposer:
-    def __init__(self, head_graph: nnx.GraphDef, head: EagleHead, k: int, probabilistic: bool):
+class HeadProposer:
+    def __init__(self, head_graph: nnx.GraphDef, head: DraftHead, k: int, probabilistic: bool):
         self.head_graph = head_graph
         self.cfg = head.cfg
         self.k = k
         self.probabilistic = probabilistic
-        self.capture_layers = self.cfg.aux_layer_ids if self.cfg.method == "eagle3" else ()
+        self.capture_layers = head.capture_layers
         self.cache_bytes = head.cache_bytes
 
     def init(self, draft_state, prompt_tokens: jax.Array, prompt_lengths: jax.Array, cache_len: int) -> EagleCarry:
         head = nnx.merge(self.head_graph, draft_state)
         B = prompt_tokens.shape[0]
-        vocab = self.cfg.layers.vocab_size if self.probabilistic else 0
+        vocab = self.cfg.vocab_size if self.probabilistic else 0
         return EagleCarry(cache=head.init_cache(B, cache_len),
                           first=jnp.zeros((B,), jnp.int32), first_probs=jnp.zeros((B, vocab), jnp.float32),
-                          hidden=jnp.zeros((B, self.cfg.hidden_size), head.fc[...].dtype))
+                          hidden=jnp.zeros((B, self.cfg.hidden_size), head.dtype))
 
     def observe(self, draft_state, carry: EagleCarry, target: TargetPass, tokens: jax.Array, lengths: jax.Array,
                 rows: RowParams) -> EagleCarry:
         head = nnx.merge(self.head_graph, draft_state)
-        features = head.combine(target.captured if self.cfg.method == "eagle3" else target.hidden)
+        features = head.combine(target.captured if self.capture_layers else target.hidden)
         B, T = features.shape[:2]
         # The token after each position (input ids shifted left by one); past the committed end it is garbage.
         after = jnp.minimum(target.start[:, None] + 1 + jnp.arange(T)[None, :], tokens.shape[1] - 1)
@@ -80,7 +98,7 @@ class EagleProposer:
         probs = jnp.concatenate([carry.first_probs[:, None], jnp.swapaxes(rest_probs, 0, 1)], axis=1)
         return drafts, probs, carry
 
-    def _choose(self, head: EagleHead, out: jax.Array, rows: RowParams, position: jax.Array):
+    def _choose(self, head: DraftHead, out: jax.Array, rows: RowParams, position: jax.Array):
         """Greedy drafting: the argmax of the draft vocabulary mapped to a target id (q one-hot, no probs
         kept). Probabilistic: a draw from the head's processed distribution q over the target vocabulary."""
         if not self.probabilistic:
