@@ -1,6 +1,12 @@
-"""`LLM`: vLLM's offline interface (generate, chat, get_metrics) over specjax's one-call-per-wave engine."""
+"""`LLM`: vLLM's offline interface (generate, chat, get_metrics) over specjax's one-call-per-wave engine.
+
+Requests are checked before any work (tokenization aside): a malformed prompt, sampling_params or conversation
+raises a TypeError or ValueError naming the prompt and the field, and the engine stays usable.
+"""
 from __future__ import annotations
 
+import time
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import numpy as np
@@ -10,9 +16,13 @@ from specjax.build import build_engine
 from specjax.config import EngineConfig
 from specjax.default_model import DEFAULT_MODEL
 from specjax.engine.runner import Request, RowResult, WaveRunner
+from specjax.engine.state import TokenLogprobs
 from specjax.engine.stop_strings import apply_stop_strings, token_finish_reason
-from specjax.outputs import CompletionOutput, Logprob, RequestOutput, spec_decode_metrics
+from specjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, spec_decode_metrics
 from specjax.sampling_params import SamplingParams, child_params
+
+# The keys of vLLM's text and token prompts that specjax reads; others (multi_modal_data, ...) are refused.
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 class LLM:
@@ -20,6 +30,10 @@ class LLM:
 
     model: a local HF directory, an HF Hub id (resolved through huggingface_hub, offline cache included), a
     converted orbax checkpoint, or None for the embedded default model (SmolLM2-135M-Instruct).
+    enforce_eager: compile without CUDA graphs (GPUs; a debugging and profiling mode). trust_remote_code: passed
+    to the tokenizer's loader only; no model code from the checkpoint is ever run. max_logprobs: the most
+    (prompt_)logprobs a request may ask for (vLLM's default 20; -1: the whole vocabulary).
+    Other settings: `specjax.config.EngineConfig`.
     """
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
@@ -67,21 +81,25 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for a prompt or a list of prompts (strings or {"prompt_token_ids": [...]} / {"prompt": ...})."""
+        """Generate for a prompt or a list of prompts (strings or {"prompt_token_ids": [...]} / {"prompt": ...}),
+        one RequestOutput per prompt, in order."""
+        arrival = time.time()
         prompt_list = _as_prompt_list(prompts)
-        token_lists = [self._tokenize(p) for p in prompt_list]
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _params_per_prompt(sampling_params, len(prompt_list))
-        for i, ids in enumerate(token_lists):
+        token_lists = [self._tokenize(i, p) for i, p in enumerate(prompt_list)]
+        for i, (ids, params) in enumerate(zip(token_lists, params_list)):
             self._check_prompt(i, ids)
-        return self._run(prompt_list, token_lists, params_list, use_tqdm)
+            self._check_logprobs(i, params)
+        return self._run(prompt_list, token_lists, params_list, use_tqdm, arrival)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        """Apply the tokenizer's chat template to one conversation (a list of {"role", "content"} dicts) or a
+        list of them, then generate."""
+        conversations = _as_conversations(messages)
         prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                       chat_template=chat_template) for c in conversations]
         token_lists = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
@@ -94,7 +112,7 @@ class LLM:
             return []
         return spec_decode_metrics(*(int(x) for x in self._totals), self._totals_per_pos.tolist())
 
-    def _run(self, prompt_list, token_lists, params_list, use_tqdm) -> list[RequestOutput]:
+    def _run(self, prompt_list, token_lists, params_list, use_tqdm, arrival: float) -> list[RequestOutput]:
         requests, owners = [], []
         for i, (ids, params) in enumerate(zip(token_lists, params_list)):
             for child in child_params(params):
@@ -102,16 +120,23 @@ class LLM:
                 owners.append(i)
                 self._requests_seen += 1
         results: list[RowResult] = []
+        spans: list[tuple[float, float]] = []   # each request's wave: (started, returned)
         with tqdm(total=len(requests), disable=not use_tqdm, desc="Processed prompts") as bar:
             for wave in self._runner.waves(requests):
+                started = time.time()
                 results.extend(self._runner.run_wave(wave))
+                spans.extend([(started, time.time())] * len(wave))
                 bar.update(len(wave))
         outputs = [RequestOutput(request_id=str(i), prompt=_prompt_text(p), prompt_token_ids=ids, outputs=[])
                    for i, (p, ids) in enumerate(zip(prompt_list, token_lists))]
         for owner, request, result in zip(owners, requests, results):
             completion = self._completion(len(outputs[owner].outputs), request, result)
             outputs[owner].outputs.append(completion)
+            if result.prompt_logprobs is not None and outputs[owner].prompt_logprobs is None:
+                outputs[owner].prompt_logprobs = self._prompt_logprobs(request.prompt_token_ids, result)
             self._count(result)
+        for i, out in enumerate(outputs):
+            out.metrics = _request_metrics(arrival, sorted({span for owner, span in zip(owners, spans) if owner == i}))
         return outputs
 
     def _completion(self, index: int, request: Request, r: RowResult) -> CompletionOutput:
@@ -124,38 +149,48 @@ class LLM:
             skip_special_tokens=p.skip_special_tokens, finish_reason=finish_reason, stop_reason=stop_reason,
             min_tokens=p.min_tokens, prompt_token_ids=request.prompt_token_ids)
         n = len(kept)
-        logprobs = self._logprobs(r, n) if p.logprobs is not None else None
+        logprobs = [self._logprob_entry(r.logprobs, t, kept[t]) for t in range(n)] if p.logprobs is not None else None
         return CompletionOutput(
             index=index, text=text, token_ids=kept,
-            cumulative_logprob=float(np.sum(r.logprobs[:n])) if p.logprobs is not None else None,
+            cumulative_logprob=float(np.sum(r.logprobs.chosen[:n])) if p.logprobs is not None else None,
             logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason,
             num_drafts=r.num_drafts, num_draft_tokens=r.num_draft_tokens, num_accepted_tokens=r.num_accepted,
             num_accepted_tokens_per_pos=r.accepted_per_pos)
 
-    def _logprobs(self, r: RowResult, n: int) -> list[dict[int, Logprob]]:
-        out = []
-        for t in range(n):
-            entry = {int(i): Logprob(float(v), rank + 1, self.tokenizer.decode([int(i)]))
-                     for rank, (i, v) in enumerate(zip(r.top_ids[t], r.top_logprobs[t]))}
-            token = r.token_ids[t]
-            if token not in entry:
-                rank = int(np.sum(r.top_logprobs[t] > r.logprobs[t])) + 1 if r.top_ids.shape[1] else None
-                entry[token] = Logprob(float(r.logprobs[t]), rank, self.tokenizer.decode([token]))
-            out.append(entry)
-        return out
+    def _logprob_entry(self, records: TokenLogprobs, t: int, token: int) -> dict[int, Logprob]:
+        """vLLM's {token_id: Logprob} for record t: the token's own (with its rank), then the top entries (ranks
+        1..n; the token's own entry, when among them, stays first)."""
+        entry = {token: Logprob(float(records.chosen[t]), int(records.rank[t]), self.tokenizer.decode([token]))}
+        for rank, (i, value) in enumerate(zip(records.top_ids[t].tolist(), records.top_logprobs[t].tolist())):
+            entry[i] = Logprob(value, rank + 1, self.tokenizer.decode([i]))
+        return entry
+
+    def _prompt_logprobs(self, prompt_token_ids: list[int], r: RowResult) -> list[dict[int, Logprob] | None]:
+        """vLLM's prompt_logprobs: None for the first prompt token, then each one's entry given those before."""
+        return [None] + [self._logprob_entry(r.prompt_logprobs, t, token)
+                         for t, token in enumerate(prompt_token_ids[1:])]
 
     def _count(self, r: RowResult) -> None:
         self._totals += (r.num_drafts, r.num_draft_tokens, r.num_accepted)
         if self._totals_per_pos.size:
             self._totals_per_pos += np.asarray(r.accepted_per_pos, np.int64)
 
-    def _tokenize(self, prompt) -> list[int]:
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return [int(t) for t in prompt["prompt_token_ids"]]
-        text = prompt["prompt"] if isinstance(prompt, dict) else prompt
-        if not isinstance(text, str):
-            raise TypeError(f"a prompt must be a str or a dict with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}")
-        return self.tokenizer.encode(text)
+    def _tokenize(self, index: int, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, Mapping):
+            raise TypeError(f"prompt {index} is {_shown(prompt)}: a prompt is a string, {{'prompt': '<text>'}} or "
+                            "{'prompt_token_ids': [<int>, ...]}")
+        unknown = sorted(set(prompt) - set(PROMPT_KEYS), key=str)
+        if unknown or not set(prompt) & set(PROMPT_KEYS):
+            raise ValueError(f"prompt {index} is a dict with keys {sorted(prompt, key=str)}: specjax reads 'prompt' "
+                             "(text) or 'prompt_token_ids' (a list of ints), nothing else")
+        if "prompt_token_ids" in prompt:
+            return _token_ids(index, prompt["prompt_token_ids"])
+        if not isinstance(prompt["prompt"], str):
+            raise TypeError(f"prompt {index}'s 'prompt' must be a string, got {_shown(prompt['prompt'])}; pass "
+                            "token ids as {'prompt_token_ids': [...]}")
+        return self.tokenizer.encode(prompt["prompt"])
 
     def _check_prompt(self, index: int, ids: list[int]) -> None:
         if not ids:
@@ -166,6 +201,17 @@ class LLM:
         bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(f"prompt {index} has token ids outside [0, {self.model_config.vocab_size}): {bad[:5]}")
+
+    def _check_logprobs(self, index: int, params: SamplingParams) -> None:
+        """vLLM's limit: at most max_logprobs (prompt_)logprobs per token, -1 meaning the whole vocabulary."""
+        vocab = self.model_config.vocab_size
+        limit = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and (vocab if asked == -1 else asked) > limit:
+                raise ValueError(f"prompt {index} asks for {name}={asked}, more than max_logprobs={limit} allows "
+                                 f"(as vLLM refuses): ask for fewer, or raise LLM(max_logprobs=...) (at most the "
+                                 f"vocabulary, {vocab}; -1 for all of it)")
 
     @property
     def _primary_eos(self) -> int | None:
@@ -178,22 +224,78 @@ class LLM:
         return [] if params.ignore_eos else [i for i in self.eos_token_ids if i != self._primary_eos]
 
 
+def _shown(value: Any) -> str:
+    """A value for an error message: its type and a short repr."""
+    text = repr(value)
+    return f"a {type(value).__name__} ({text if len(text) <= 40 else text[:37] + '...'})"
+
+
 def _as_prompt_list(prompts) -> list:
-    if isinstance(prompts, (str, dict)):
-        prompts = [prompts]
-    prompts = list(prompts)
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a prompt (a string, {{'prompt': ...}} or {{'prompt_token_ids': [...]}}) or "
+                        f"a list of them, got {_shown(prompts)}")
     if not prompts:
         raise ValueError("prompts is empty: pass a prompt or a non-empty list of prompts")
-    return prompts
+    return list(prompts)
+
+
+def _token_ids(index: int, ids: Any) -> list[int]:
+    """A prompt's token ids as ints, or a TypeError: never a string split into digits or floats truncated."""
+    if isinstance(ids, np.ndarray) and ids.ndim == 1 and np.issubdtype(ids.dtype, np.integer):
+        return ids.tolist()
+    if not isinstance(ids, (list, tuple)):
+        raise TypeError(f"prompt {index}'s prompt_token_ids must be a list of int token ids, got {_shown(ids)}"
+                        + ("; pass text as {'prompt': ...}" if isinstance(ids, str) else ""))
+    bad = [(i, t) for i, t in enumerate(ids) if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+    if bad:
+        i, t = bad[0]
+        raise TypeError(f"prompt {index}'s prompt_token_ids must hold int token ids; entry {i} is {_shown(t)}")
+    return [int(t) for t in ids]
 
 
 def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * n
-    params = list(sampling_params)
-    if len(params) != n:
-        raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts: pass one, or one per prompt")
-    return params
+    if not isinstance(sampling_params, (list, tuple)):
+        hint = " (build one: SamplingParams(**your_dict))" if isinstance(sampling_params, Mapping) else ""
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, one per prompt; got "
+                        f"{_shown(sampling_params)}{hint}")
+    for i, params in enumerate(sampling_params):
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {_shown(params)}")
+    if len(sampling_params) != n:
+        raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n} prompts: pass one, or one per "
+                         "prompt")
+    return list(sampling_params)
+
+
+def _as_conversations(messages) -> list[list[Mapping]]:
+    """chat()'s messages as a list of conversations, each a non-empty list of {"role", "content"} dicts."""
+    example = "[{'role': 'user', 'content': 'Hi'}]"
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise TypeError(f"chat() takes a conversation, a non-empty list of {{'role': ..., 'content': ...}} dicts "
+                        f"(e.g. {example}), or a list of conversations; got {_shown(messages)}")
+    conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+    for i, conversation in enumerate(conversations):
+        if not isinstance(conversation, (list, tuple)) or not conversation:
+            raise TypeError(f"conversation {i} must be a non-empty list of {{'role': ..., 'content': ...}} dicts "
+                            f"(e.g. {example}), got {_shown(conversation)}")
+        for j, message in enumerate(conversation):
+            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) or "content" not in message:
+                raise TypeError(f"conversation {i}, message {j} must be a dict with a string 'role' and a "
+                                f"'content' (e.g. {example[1:-1]}), got {_shown(message)}")
+    return conversations
+
+
+def _request_metrics(arrival: float, waves: list[tuple[float, float]]) -> RequestMetrics:
+    """A request's timing from the (started, returned) times of the waves that ran its samples, in order."""
+    first_started, first_returned = waves[0]
+    last_returned = max(end for _, end in waves)
+    return RequestMetrics(arrival_time=arrival, last_token_time=last_returned, first_scheduled_time=first_started,
+                          first_token_time=first_returned, time_in_queue=first_started - arrival,
+                          finished_time=last_returned, model_execute_time=sum(end - start for start, end in waves))
 
 
 def _prompt_text(prompt) -> str | None:

@@ -57,7 +57,8 @@ class CompletionOutput:
     finish_reason: "stop" (EOS, a stop token id or a stop string), "length" (max_tokens or
     max_model_len), or None while unfinished. stop_reason: the stop token id (int) or stop
     string (str) that ended it; None for EOS, length, or unfinished.
-    logprobs: when requested, one {token_id: Logprob} dict per generated token.
+    logprobs: when requested, one {token_id: Logprob} dict per generated token: the token's own (with its
+    rank in the vocabulary) and the top `logprobs` ones (ranks 1..n), so n or n + 1 entries, as vLLM.
     """
 
     index: int
@@ -88,9 +89,33 @@ class CompletionOutput:
         return acceptance_rate_per_pos(self.num_accepted_tokens_per_pos, self.num_drafts)
 
 
+@dataclasses.dataclass
+class RequestMetrics:
+    """vLLM's request timing (`vllm.sequence.RequestMetrics`), in seconds since the epoch (time.time()), as the
+    wave runner can measure it: a wave's tokens come back together when its one jitted call returns, so the
+    host first sees any token of a request when its whole wave is done.
+
+    arrival_time: when generate() / chat() received the request. first_scheduled_time: when the first wave
+    running one of its n samples started. first_token_time: when that wave returned. last_token_time and
+    finished_time: when the last wave running one of its samples returned. time_in_queue: first_scheduled_time
+    - arrival_time (the checks, tokenization and earlier waves before it). model_execute_time: the summed wall
+    time of its waves (padding, the jitted prefill and decode loop, compilation on a first call, reading back).
+    """
+
+    arrival_time: float
+    last_token_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    time_in_queue: float | None
+    finished_time: float | None = None
+    model_execute_time: float | None = None
+
+
 @dataclasses.dataclass(kw_only=True)
 class RequestOutput:
-    """The result of one prompt: its n completions (vLLM's fields)."""
+    """The result of one prompt: its n completions (vLLM's fields). prompt_logprobs: when the request asked
+    for them, one entry per prompt token, None for the first (nothing precedes it), then {token_id: Logprob}
+    holding the prompt token's own and the top prompt_logprobs ones."""
 
     request_id: str
     prompt: str | None
@@ -98,6 +123,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    metrics: RequestMetrics | None = None
 
 
 @dataclasses.dataclass

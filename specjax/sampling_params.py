@@ -20,19 +20,23 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 # vLLM raises tiny positive temperatures to this, since 1/temperature overflows logits.
 MIN_RANDOM_TEMPERATURE = 1e-2
 
-# vLLM sampling options specjax does not implement: accepted only at their neutral value,
-# so a vLLM script that spells the default out still runs.
-_NEUTRAL_PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+# vLLM's bound on presence and frequency penalties (OpenAI's range).
+MAX_ABS_PENALTY = 2.0
 
 
 @dataclasses.dataclass
 class SamplingParams:
     """Sampling parameters for one request (vLLM's names, defaults and checks).
 
+    presence_penalty / frequency_penalty: in [-2, 2], subtracted from a token's logit once if it was
+    generated / once per time it was (OpenAI's definitions; 0 = off); repetition_penalty: > 0, divides the
+    positive logits and multiplies the others of tokens in the prompt or generated (1 = off); all three as
+    vLLM applies them, before temperature, so they steer greedy decoding too.
     temperature: 0 means greedy; top_k: 0 or -1 means off (-1 is stored as 0);
     top_p: 1 means off; min_p: 0 means off; max_tokens: None means "until max_model_len";
     min_tokens: EOS and stop_token_ids cannot end the request before this many tokens;
-    logprobs: None, or the number of top log-probabilities per token (-1: whole vocabulary);
+    logprobs: None, or the number of top log-probabilities per token (-1: whole vocabulary; 0: only the
+    generated token's, with its rank); prompt_logprobs: the same for each prompt token;
     stop: string(s) that end the request, trimmed from the text unless
     include_stop_str_in_output; seed: per-request seed (-1 is stored as None).
     """
@@ -52,6 +56,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -70,6 +75,11 @@ class SamplingParams:
         """True when this request decodes by argmax (vLLM: temperature below 1e-5)."""
         return self.temperature < GREEDY_TEMPERATURE_EPS
 
+    @property
+    def has_penalties(self) -> bool:
+        """True when a presence, frequency or repetition penalty is set (not at its neutral value)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
     def _normalise(self) -> None:
         """vLLM's spellings: -1 for "off"/"none", a lone stop string, True for one logprob."""
         if self.seed == -1:
@@ -78,6 +88,8 @@ class SamplingParams:
             self.top_k = 0
         if self.logprobs is True:
             self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
         self.stop = _as_list(self.stop, "stop", "a string or a list of strings")
         # Order-preserving de-duplication, as vLLM does.
         self.stop_token_ids = list(dict.fromkeys(_as_list(self.stop_token_ids, "stop_token_ids",
@@ -91,10 +103,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check_int(self.n, "n", minimum=1)
-        for name, neutral in _NEUTRAL_PENALTIES.items():
-            if getattr(self, name) != neutral:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not supported by specjax; "
-                                 f"leave {name} at {neutral}")
+        self._validate_penalties()
         _check_real(self.temperature, "temperature")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
@@ -110,14 +119,26 @@ class SamplingParams:
         if self.seed is not None:
             _check_int(self.seed, "seed")
         self._validate_lengths()
-        if self.logprobs is not None:
-            _check_int(self.logprobs, "logprobs")
-            if self.logprobs < -1:
-                raise ValueError(f"logprobs must be None, -1 (whole vocabulary) or >= 0, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(value, name)
+                if value < -1:
+                    raise ValueError(f"{name} must be None, -1 (whole vocabulary) or >= 0, got {value}")
         self._validate_stops()
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            _check_real(getattr(self, name), name)
+            setattr(self, name, float(getattr(self, name)))
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_ABS_PENALTY <= getattr(self, name) <= MAX_ABS_PENALTY:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
 
     def _validate_lengths(self) -> None:
         if self.max_tokens is not None:

@@ -8,8 +8,9 @@ import pytest
 
 from specjax.sampling_params import SamplingParams, child_params, to_row_arrays
 
-VLLM_DEFAULTS = dict(n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, stop=[], stop_token_ids=[],
-                     ignore_eos=False, max_tokens=16, min_tokens=0, logprobs=None,
+VLLM_DEFAULTS = dict(n=1, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, temperature=1.0,
+                     top_p=1.0, top_k=0, min_p=0.0, seed=None, stop=[], stop_token_ids=[], ignore_eos=False,
+                     max_tokens=16, min_tokens=0, logprobs=None, prompt_logprobs=None,
                      include_stop_str_in_output=False, skip_special_tokens=True)
 
 
@@ -20,7 +21,9 @@ def test_defaults_are_vllms():
 
 
 def test_normalisation_of_vllm_spellings():
-    params = SamplingParams(stop="###", stop_token_ids=[5, 3, 5, 7, 3], top_k=-1, seed=-1, logprobs=True)
+    params = SamplingParams(stop="###", stop_token_ids=[5, 3, 5, 7, 3], top_k=-1, seed=-1, logprobs=True,
+                            prompt_logprobs=True)
+    assert params.prompt_logprobs == 1
     assert params.stop == ["###"]
     assert params.stop_token_ids == [5, 3, 7]
     assert params.top_k == 0
@@ -70,9 +73,15 @@ def test_tiny_temperature_is_raised_with_a_warning():
     (dict(stop_token_ids=["a"]), ValueError, "stop_token_ids must contain only non-negative integer"),
     (dict(stop_token_ids=5), TypeError, "stop_token_ids must be a list of token ids"),
     (dict(ignore_eos=1), TypeError, "ignore_eos must be a bool"),
-    (dict(repetition_penalty=1.2), ValueError, "repetition_penalty=1.2 is not supported"),
-    (dict(presence_penalty=0.5), ValueError, "presence_penalty=0.5 is not supported"),
-    (dict(frequency_penalty=-0.5), ValueError, "frequency_penalty=-0.5 is not supported"),
+    (dict(prompt_logprobs=-3), ValueError, "prompt_logprobs must be None, -1"),
+    (dict(prompt_logprobs=1.0), TypeError, "prompt_logprobs must be an int"),
+    (dict(repetition_penalty=0.0), ValueError, r"repetition_penalty must be > 0 \(1 = off\), got 0.0"),
+    (dict(repetition_penalty=-1), ValueError, "repetition_penalty must be > 0"),
+    (dict(repetition_penalty="high"), TypeError, "repetition_penalty must be a number"),
+    (dict(presence_penalty=2.5), ValueError, r"presence_penalty must be in \[-2, 2\]"),
+    (dict(frequency_penalty=-2.01), ValueError, r"frequency_penalty must be in \[-2, 2\]"),
+    (dict(frequency_penalty=float("inf")), ValueError, "frequency_penalty must be a finite number"),
+    (dict(presence_penalty=None), TypeError, "presence_penalty must be a number"),
 ])
 def test_invalid_values_raise_naming_the_field(kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -81,7 +90,16 @@ def test_invalid_values_raise_naming_the_field(kwargs, error, message):
 
 def test_neutral_penalties_and_open_ended_max_tokens_are_accepted():
     params = SamplingParams(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, max_tokens=None)
-    assert params.max_tokens is None
+    assert params.max_tokens is None and not params.has_penalties
+
+
+@pytest.mark.parametrize("kwargs", [dict(presence_penalty=-2), dict(frequency_penalty=2), dict(repetition_penalty=1.3),
+                                    dict(repetition_penalty=0.5, temperature=0.0)])
+def test_penalties_in_vllms_ranges_are_accepted_greedy_included(kwargs):
+    params = SamplingParams(**kwargs)
+    assert params.has_penalties
+    assert all(isinstance(getattr(params, name), float)
+               for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"))
 
 
 def test_child_params_give_each_sample_its_own_seed():

@@ -1,6 +1,8 @@
 """One jitted call per wave of requests: batched prefill, then ONE lax.while_loop of
 propose -> verify -> accept -> commit -> observe. Plain decoding is the same loop with k = 0.
 `observe` hands the proposer the target's hidden states of the pass just committed (EAGLE reads them).
+Penalties (when the rows carry them) are applied at every verify position to the counts a plain step would
+see there: the committed tokens plus the drafts before that position, which are committed when it matters.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from jax.sharding import Mesh
 from specjax.engine import sampling
 from specjax.engine.proposers.base import Proposer, TargetPass
 from specjax.engine.rejection import rejection_sample
-from specjax.engine.state import LoopState, RowParams, SpecCounters
+from specjax.engine.state import LoopState, RowParams, SpecCounters, TokenCounts, TokenLogprobs
 from specjax.parallel.mesh import gather_vocab
 from specjax.parallel.sharded_loop import sharded_generate
 
@@ -28,6 +30,8 @@ class LoopSpec:
     n_top: int                  # top logprobs kept per generated token
     max_model_len: int
     greedy: bool = False        # every row greedy: argmax only (no distributions, draws or batch-wide cond)
+    ranks: bool = False         # rank each generated token in the vocabulary (vLLM's Logprob.rank)
+    prompt_top: int | None = None   # prompt logprobs with this many top entries per token; None: none
 
 
 def build_generate(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpec, *,
@@ -70,6 +74,13 @@ def loop_compiler_options() -> dict[str, str]:
                                              "WHILE,CONDITIONAL"}
 
 
+def eager_compiler_options() -> dict[str, str]:
+    """What `enforce_eager=True` compiles the loop with: no CUDA graphs at all (XLA's command buffers off, its
+    default kinds included), as vLLM's enforce_eager runs without them; every kernel is then launched from the
+    host, where a profiler or a debugger sees it. Empty off GPUs, which have no CUDA graphs."""
+    return {"xla_gpu_enable_command_buffer": ""} if jax.default_backend() == "gpu" else {}
+
+
 def _exact_matmuls(dtype) -> contextlib.AbstractContextManager:
     """float32 models trace their matmuls at full float32 precision: GPUs otherwise run them in TF32, which
     rounds a (k+1)-token verify pass differently from a one-token step, so greedy speculation would no longer
@@ -84,16 +95,19 @@ def _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows,
     hidden, cache, aux = target(prompt_tokens, start, cache, capture_layers=proposer.capture_layers, fresh=True)
     last_hidden = hidden[jnp.arange(B), prompt_lengths - 1][:, None]  # [B, 1, H]
     raw_logits = gather_vocab(target.logits(last_hidden))
-    logits = _mask_stop_ids(raw_logits, rows, generated=jnp.zeros((B,), jnp.int32))
+    counts = None if rows.penalties is None else _prompt_counts(prompt_tokens, prompt_lengths, raw_logits.shape[-1])
+    logits = _penalised(_mask_stop_ids(raw_logits, rows, generated=jnp.zeros((B,), jnp.int32)), rows, counts,
+                        jnp.zeros((B, 0), jnp.int32))
     first = sampling.sample(logits[:, 0], rows.temperature, rows.top_k, rows.top_p, rows.min_p,
                             rows.seed, prompt_lengths, greedy_only=spec.greedy, kernels=target.kernels)
     tokens = jnp.zeros((B, cache_len), jnp.int32).at[:, :P].set(prompt_tokens)
     state = LoopState(
         tokens=tokens, lengths=prompt_lengths, prompt_lengths=prompt_lengths,
-        logprobs=jnp.zeros((B, cache_len), jnp.float32),
-        top_ids=jnp.zeros((B, cache_len, spec.n_top), jnp.int32),
-        top_logprobs=jnp.zeros((B, cache_len, spec.n_top), jnp.float32),
-        done=jnp.zeros((B,), bool), cache=cache,
+        logprobs=TokenLogprobs(jnp.zeros((B, cache_len), jnp.float32), jnp.zeros((B, cache_len), jnp.int32),
+                               jnp.zeros((B, cache_len, spec.n_top), jnp.int32),
+                               jnp.zeros((B, cache_len, spec.n_top), jnp.float32)),
+        prompt_logprobs=None if spec.prompt_top is None else _prompt_logprobs(target, hidden, prompt_tokens, spec),
+        counts=counts, done=jnp.zeros((B,), bool), cache=cache,
         proposer=proposer.init(draft_state, prompt_tokens, prompt_lengths, cache_len),
         counters=SpecCounters(*(jnp.zeros((B,), jnp.int32) for _ in range(3)),
                               jnp.zeros((B, spec.k), jnp.int32)),
@@ -117,6 +131,7 @@ def _step_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
         hidden, cache, aux = target(verify_tokens, start, state.cache, capture_layers=proposer.capture_layers)
         raw_logits = gather_vocab(target.logits(hidden))  # [B, k+1, V]
         logits = _mask_stop_ids(raw_logits, rows, generated=state.lengths - state.prompt_lengths)
+        logits = _penalised(logits, rows, state.counts, drafts)
         out, accepted = _verify(logits, drafts, draft_probs, rows, state.lengths, spec, synthetic_rates,
                                 target.kernels)
         active = ~state.done
@@ -173,6 +188,38 @@ def _mask_stop_ids(logits: jax.Array, rows: RowParams, generated: jax.Array) -> 
     return jnp.where(too_early[:, :, None] & is_stop[:, None, :], -jnp.inf, logits)
 
 
+def _prompt_counts(prompt_tokens: jax.Array, prompt_lengths: jax.Array, vocab: int) -> TokenCounts:
+    """The penalties' counts after the prompt: which tokens it holds (its padding excluded), none generated."""
+    B, P = prompt_tokens.shape
+    real = jnp.arange(P)[None, :] < prompt_lengths[:, None]
+    in_prompt = jnp.zeros((B, vocab), bool).at[jnp.arange(B)[:, None], jnp.where(real, prompt_tokens, vocab)].set(
+        True, mode="drop")
+    return TokenCounts(in_prompt=in_prompt, generated=jnp.zeros((B, vocab), jnp.int32))
+
+
+def _penalised(logits: jax.Array, rows: RowParams, counts: TokenCounts | None, drafts: jax.Array) -> jax.Array:
+    """logits [B, T, V] with the rows' penalties applied, position t counting drafts[:, :t] [B, T-1] (-1 = none)
+    as generated; unchanged when the rows have no penalties."""
+    if rows.penalties is None:
+        return logits
+    generated = sampling.counts_through(counts.generated, drafts)
+    p = rows.penalties
+    return sampling.apply_penalties(logits, counts.in_prompt, generated, p.presence, p.frequency, p.repetition)
+
+
+def _prompt_logprobs(target, hidden: jax.Array, prompt_tokens: jax.Array, spec: LoopSpec) -> TokenLogprobs:
+    """Each prompt token's record given the tokens before it (vLLM's prompt_logprobs; the first has none)."""
+    logits = gather_vocab(target.logits(hidden[:, :-1]))   # [B, P-1, V]: position t predicts token t + 1
+    return _records(logits, prompt_tokens[:, 1:], spec.prompt_top, ranks=True)
+
+
+def _records(logits: jax.Array, tokens: jax.Array, n_top: int, ranks: bool) -> TokenLogprobs:
+    """The logprob records of tokens [B, N] under logits [B, N, V]; ranks 0 unless `ranks` (static)."""
+    chosen, top_ids, top_logprobs = sampling.token_logprobs(logits, tokens, n_top)
+    rank = sampling.token_ranks(logits, tokens) if ranks else jnp.zeros(chosen.shape, jnp.int32)
+    return TokenLogprobs(chosen, rank, top_ids, top_logprobs)
+
+
 def _commit(state: LoopState, out: jax.Array, candidates: jax.Array, raw_logits: jax.Array,
             rows: RowParams, spec: LoopSpec) -> LoopState:
     """Append each row's first n_emit tokens of `out` [B, T]: the candidates, cut after a stop id and at the
@@ -186,15 +233,23 @@ def _commit(state: LoopState, out: jax.Array, candidates: jax.Array, raw_logits:
     n_emit = jnp.minimum(jnp.minimum(candidates, first_stop + 1), budget)
     slots = jnp.where(idx < n_emit[:, None], state.lengths[:, None] + idx, state.tokens.shape[1])  # OOB = drop
     rows_idx = jnp.arange(B)[:, None]
-    chosen, top_ids, top_lp = sampling.token_logprobs(raw_logits, out, spec.n_top)
+    logprobs = jax.tree.map(lambda kept, new: kept.at[rows_idx, slots].set(new, mode="drop"), state.logprobs,
+                            _records(raw_logits, out, spec.n_top, spec.ranks))
     return dataclasses.replace(
         state,
-        tokens=state.tokens.at[rows_idx, slots].set(out, mode="drop"),
-        logprobs=state.logprobs.at[rows_idx, slots].set(chosen, mode="drop"),
-        top_ids=state.top_ids.at[rows_idx, slots].set(top_ids, mode="drop"),
-        top_logprobs=state.top_logprobs.at[rows_idx, slots].set(top_lp, mode="drop"),
+        tokens=state.tokens.at[rows_idx, slots].set(out, mode="drop"), logprobs=logprobs,
+        counts=_count_generated(state.counts, out, idx < n_emit[:, None]),
         lengths=state.lengths + n_emit,
         done=state.done | (first_stop < n_emit) | (n_emit >= budget))
+
+
+def _count_generated(counts: TokenCounts | None, out: jax.Array, emitted: jax.Array) -> TokenCounts | None:
+    """The counts with the emitted tokens of out [B, T] added."""
+    if counts is None:
+        return None
+    rows_idx = jnp.arange(out.shape[0])[:, None]
+    generated = counts.generated.at[rows_idx, jnp.maximum(out, 0)].add(emitted.astype(jnp.int32))
+    return dataclasses.replace(counts, generated=generated)
 
 
 def _count(c: SpecCounters, drafts: jax.Array, accepted: jax.Array, active: jax.Array) -> SpecCounters:

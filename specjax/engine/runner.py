@@ -1,5 +1,5 @@
 """Host side of generation: group requests into waves, pad them to shape buckets, run the jitted loop once
-per wave, and hand back each row's tokens, logprobs and speculative counters."""
+per wave, and hand back each row's tokens, logprobs (generated and prompt) and speculative counters."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,11 +11,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from specjax.config import EngineConfig, SpeculativeConfig
-from specjax.engine.loop import LoopSpec, jit_generate
+from specjax.engine.loop import LoopSpec, eager_compiler_options, jit_generate
 from specjax.engine.proposers.base import Proposer
 from specjax.engine.rows import row_params
 from specjax.engine.shapes import MIN_PROMPT_BUCKET, bucket, buffer_len
-from specjax.engine.state import LoopState, RowParams
+from specjax.engine.state import LoopState, RowParams, TokenLogprobs
 from specjax.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams, to_row_arrays
 
 
@@ -29,9 +29,8 @@ class Request:
 @dataclasses.dataclass(frozen=True)
 class RowResult:
     token_ids: list[int]
-    logprobs: np.ndarray                  # [n] raw logprob of each generated token
-    top_ids: np.ndarray                   # [n, n_top]
-    top_logprobs: np.ndarray              # [n, n_top]
+    logprobs: TokenLogprobs               # numpy, [n] per generated token, the top entries the request asked for
+    prompt_logprobs: TokenLogprobs | None   # numpy, [prompt length - 1], when the request asked for them
     num_drafts: int
     num_draft_tokens: int
     num_accepted: int
@@ -57,22 +56,30 @@ class WaveRunner:
             yield list(requests[i:i + step])
 
     def run_wave(self, wave: Sequence[Request]) -> list[RowResult]:
-        n_top = max((_num_top(r.params, self.vocab_size) for r in wave), default=0)
+        n_top = max((_num_top(r.params.logprobs, self.vocab_size) for r in wave), default=0)
+        ranks = any(r.params.logprobs is not None for r in wave)
+        asked = [_num_top(r.params.prompt_logprobs, self.vocab_size) for r in wave
+                 if r.params.prompt_logprobs is not None]
         prompts, lengths, rows, cache_len = self._pack(wave)
         greedy = bool(np.all(rows.temperature < GREEDY_TEMPERATURE_EPS))
-        state = self.generate_fn(n_top, greedy)(self.target_state, self.draft_state, prompts, lengths, rows,
-                                                cache_len, self.synthetic_rates)
-        # Only what the host reads: the KV caches stay on device (and are not addressable from one process
-        # when the mesh spans hosts).
-        return _unpack(jax.device_get(dataclasses.replace(state, cache=None, proposer=None)), len(wave))
+        fn = self.generate_fn(n_top, greedy, ranks, max(asked) if asked else None)
+        state = fn(self.target_state, self.draft_state, prompts, lengths, rows, cache_len, self.synthetic_rates)
+        # Only what the host reads: the KV caches and token counts stay on device (and are not addressable from
+        # one process when the mesh spans hosts).
+        return _unpack(jax.device_get(dataclasses.replace(state, cache=None, proposer=None, counts=None)), wave,
+                       self.vocab_size)
 
-    def generate_fn(self, n_top: int, greedy: bool):
-        """One jitted function per (n_top, all rows greedy); jit itself caches one executable per shape
-        bucket."""
-        if (n_top, greedy) not in self._compiled:
-            spec = LoopSpec(k=self.proposer.k, n_top=n_top, max_model_len=self.config.max_model_len, greedy=greedy)
-            self._compiled[n_top, greedy] = jit_generate(self.target_graph, self.proposer, spec, mesh=self.mesh)
-        return self._compiled[n_top, greedy]
+    def generate_fn(self, n_top: int, greedy: bool, ranks: bool = False, prompt_top: int | None = None):
+        """One jitted function per LoopSpec (top logprobs, all rows greedy, ranks, prompt logprobs); jit itself
+        caches one executable per shape bucket. enforce_eager compiles it without CUDA graphs."""
+        key = (n_top, greedy, ranks, prompt_top)
+        if key not in self._compiled:
+            spec = LoopSpec(k=self.proposer.k, n_top=n_top, max_model_len=self.config.max_model_len, greedy=greedy,
+                            ranks=ranks, prompt_top=prompt_top)
+            options = eager_compiler_options() if self.config.enforce_eager else None
+            self._compiled[key] = jit_generate(self.target_graph, self.proposer, spec, mesh=self.mesh,
+                                               compiler_options=options)
+        return self._compiled[key]
 
     def _pack(self, wave: Sequence[Request]) -> tuple[np.ndarray, np.ndarray, RowParams, int]:
         max_len = self.config.max_model_len
@@ -113,21 +120,34 @@ def synthetic_rates(spec: SpeculativeConfig | None) -> np.ndarray | None:
     return None if rates is None else np.asarray(rates, np.float32)
 
 
-def _num_top(params: SamplingParams, vocab_size: int) -> int:
-    if params.logprobs is None:
+def _num_top(logprobs: int | None, vocab_size: int) -> int:
+    """Top entries a logprobs setting asks for (None: none; -1: the whole vocabulary)."""
+    if logprobs is None:
         return 0
-    return vocab_size if params.logprobs < 0 else min(params.logprobs, vocab_size)
+    return vocab_size if logprobs < 0 else min(logprobs, vocab_size)
 
 
-def _unpack(state: LoopState, n: int) -> list[RowResult]:
+def _unpack(state: LoopState, wave: Sequence[Request], vocab_size: int) -> list[RowResult]:
+    """Each request's slice of the wave's state: its generated tokens and their records, its prompt records,
+    each cut to the top entries the request asked for (the wave keeps the most any of its rows asked)."""
     results = []
-    for b in range(n):
+    for b, request in enumerate(wave):
         start, end = int(state.prompt_lengths[b]), int(state.lengths[b])
-        ids = state.tokens[b, start:end].tolist()
+        p = request.params
         c = state.counters
+        prompt = None
+        if p.prompt_logprobs is not None:
+            prompt = _row_records(state.prompt_logprobs, b, slice(0, start - 1),
+                                  _num_top(p.prompt_logprobs, vocab_size))
         results.append(RowResult(
-            token_ids=ids, logprobs=state.logprobs[b, start:end], top_ids=state.top_ids[b, start:end],
-            top_logprobs=state.top_logprobs[b, start:end],
+            token_ids=state.tokens[b, start:end].tolist(),
+            logprobs=_row_records(state.logprobs, b, slice(start, end), _num_top(p.logprobs, vocab_size)),
+            prompt_logprobs=prompt,
             num_drafts=int(c.num_drafts[b]), num_draft_tokens=int(c.num_draft_tokens[b]),
             num_accepted=int(c.num_accepted[b]), accepted_per_pos=c.accepted_per_pos[b].tolist()))
     return results
+
+
+def _row_records(records: TokenLogprobs, row: int, span: slice, n_top: int) -> TokenLogprobs:
+    return TokenLogprobs(records.chosen[row, span], records.rank[row, span], records.top_ids[row, span, :n_top],
+                         records.top_logprobs[row, span, :n_top])

@@ -140,7 +140,45 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array,
     top_ids [..., num_top] int32, top_values [..., num_top] f32), best first.
     """
     logprobs = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logprobs, jnp.maximum(jnp.asarray(tokens, jnp.int32), 0)[..., None],
-                                 axis=-1)[..., 0]
     top_values, top_ids = lax.top_k(logprobs, num_top)
-    return chosen, top_ids.astype(jnp.int32), top_values
+    return _logprob_of(logprobs, tokens), top_ids.astype(jnp.int32), top_values
+
+
+def token_ranks(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """vLLM's rank of each of `tokens` [...] under logits [..., V]: how many tokens have a log-softmax logprob
+    >= its own (1 for the most likely; ties count against it). int32 [...]."""
+    logprobs = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+    return jnp.sum(logprobs >= _logprob_of(logprobs, tokens)[..., None], axis=-1, dtype=jnp.int32)
+
+
+def _logprob_of(logprobs: jax.Array, tokens: jax.Array) -> jax.Array:
+    """logprobs [..., V] at tokens [...] (negative ids read token 0)."""
+    index = jnp.maximum(jnp.asarray(tokens, jnp.int32), 0)[..., None]
+    return jnp.take_along_axis(logprobs, index, axis=-1)[..., 0]
+
+
+def apply_penalties(logits: jax.Array, in_prompt: jax.Array, generated: jax.Array, presence: jax.Array,
+                    frequency: jax.Array, repetition: jax.Array) -> jax.Array:
+    """vLLM's penalties on logits [B, T, V], in its order. in_prompt: bool [B, V], the tokens of the row's prompt;
+    generated: int [B, T, V], how often each token was generated before position t; penalties [B].
+    - repetition (CTRL, as vLLM and transformers): the logit of a token in the prompt or generated is divided
+      by the penalty where positive, multiplied by it otherwise (1 = off);
+    - frequency (OpenAI's): minus the penalty times the token's generated count (0 = off);
+    - presence (OpenAI's): minus the penalty where the token was generated at all (0 = off).
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    repetition, frequency, presence = (jnp.asarray(p, jnp.float32)[:, None, None]
+                                       for p in (repetition, frequency, presence))
+    was_generated = generated > 0
+    seen = in_prompt[:, None, :] | was_generated
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / repetition, logits * repetition), logits)
+    return logits - frequency * generated - presence * was_generated
+
+
+def counts_through(generated: jax.Array, drafts: jax.Array) -> jax.Array:
+    """The generated counts a step sees at each of T = K + 1 verify positions: generated [B, V] plus, at
+    position t, the drafts before it, drafts[:, :t] [B, K] (-1 counts nothing). Returns int32 [B, T, V]."""
+    vocab = generated.shape[-1]
+    drafted = jnp.cumsum(jax.nn.one_hot(drafts, vocab, dtype=jnp.int32), axis=1)   # -1 is an all-zero row
+    before = jnp.concatenate([jnp.zeros_like(generated)[:, None], drafted], axis=1)
+    return generated[:, None] + before
