@@ -22,6 +22,17 @@ def tiny_llm_dir(out: Path, default_model_dir: Path, family: str = "llama", *, s
     hf_config = getattr(transformers, config_cls)(**{**TINY_COMMON, **extra, **config})
     torch.manual_seed(seed)
     transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).save_pretrained(out)
+    return _add_tokenizer(out, default_model_dir)
+
+
+def with_tokenizer(model_dir: Path, out: Path, default_model_dir: Path) -> Path:
+    """A copy of the checkpoint in `model_dir` (e.g. tiny_checkpoint_factory's) at `out`, the default model's
+    tokenizer files beside it."""
+    shutil.copytree(model_dir, out)
+    return _add_tokenizer(out, default_model_dir)
+
+
+def _add_tokenizer(out: Path, default_model_dir: Path) -> Path:
     for name in TOKENIZER_FILES:
         shutil.copy(default_model_dir / name, out / name)
     return out
