@@ -1,6 +1,7 @@
-"""MTP speculation (method "mtp") with a DeepSeek-V3 target's own MTP layer: the first step and chained steps
-against transformers' MTP layer on the same weights, greedy output equal to plain decoding at k = 1, 2, 3, the
-sampled distribution, a "perfect MTP" that accepts every draft, vLLM's config rules and metrics."""
+"""MTP speculation (method "mtp") with a target's own MTP layer, DeepSeek-V3's and MiMo's layouts: the first step
+and chained steps against transformers' MTP layer on the same weights, greedy output equal to plain decoding at
+k = 1, 2, 3, the sampled distribution, a "perfect MTP" that accepts every draft, vLLM's config rules and
+metrics."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +15,7 @@ import torch
 from chi_square import chi_square_p_value
 from deepseek_checkpoints import save_tiny_deepseek_with_mtp
 from flax import nnx
+from mimo_checkpoints import save_tiny_mimo
 from safetensors.torch import load_file, save_file
 from transformers.cache_utils import MtpCache
 
@@ -25,29 +27,47 @@ from specjax.engine.loop import LoopSpec, build_generate
 from specjax.engine.proposers.base import TargetPass
 from specjax.engine.proposers.eagle import HeadProposer
 from specjax.engine.rows import greedy_rows
-from specjax.models.deepseek import FAMILY
+from specjax.models.registry import config_from_dir
 
 REL_TOL = 1e-4
 LIMITS = dict(max_model_len=96, max_num_seqs=4)
 PROMPTS = [{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6, 9, 11]}, {"prompt_token_ids": [40, 41]},
-           {"prompt_token_ids": [9, 3, 8, 20, 31]}]
+           {"prompt_token_ids": [9, 3, 8, 20, 31]}]   # ids within both tiny vocabularies
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
+LAYOUTS = ("deepseek", "mimo")
+
+
 @pytest.fixture(scope="module")
-def with_mtp(tmp_path_factory):
-    """(transformers target, transformers MtpModel, checkpoint directory in DeepSeek-V3's MTP layout)."""
-    return save_tiny_deepseek_with_mtp("v3", tmp_path_factory.mktemp("v3_mtp"))
+def checkpoints(tmp_path_factory):
+    """layout -> (transformers target, transformers MtpModel, checkpoint directory in that MTP layout)."""
+    made = {}
+
+    def make(layout: str):
+        if layout not in made:
+            out = tmp_path_factory.mktemp(f"{layout}_mtp")
+            made[layout] = save_tiny_deepseek_with_mtp("v3", out) if layout == "deepseek" else save_tiny_mimo(out)
+        return made[layout]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def with_mtp(checkpoints):
+    return checkpoints("deepseek")
+
+
+def load(path):
+    """The target module and the MTP head built from the checkpoint (fp32)."""
+    cfg, params = read_checkpoint(path, dtype="float32")
+    target = config_from_dir(path)[0].build(cfg, params, unroll_layers=False)
+    return target, load_mtp_head(path, cfg, nnx.state(target), np.float32)
 
 
 @pytest.fixture(scope="module")
 def loaded(with_mtp):
-    """The target module and the MTP head built from the checkpoint (fp32)."""
-    _, _, path = with_mtp
-    cfg, params = read_checkpoint(path, dtype="float32")
-    target = FAMILY.build(cfg, params, unroll_layers=False)
-    head = load_mtp_head(path, cfg, nnx.state(target), np.float32)
-    return target, head
+    return load(with_mtp[2])
 
 
 def target_pass(target, tokens: np.ndarray, cache=None, start=None):
@@ -71,10 +91,11 @@ def hf_first_step(hf_target, hf_mtp, tokens: list[int]):
         return out, hf_mtp._project_to_logits(out), cache
 
 
-def test_the_first_step_matches_transformers_mtp_layer(with_mtp, loaded):
-    hf_target, hf_mtp, _ = with_mtp
-    target, head = loaded
-    tokens = np.random.default_rng(0).integers(0, 160, 13).tolist()
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_first_step_matches_transformers_mtp_layer(checkpoints, layout):
+    hf_target, hf_mtp, path = checkpoints(layout)
+    target, head = load(path)
+    tokens = np.random.default_rng(0).integers(0, target.cfg.vocab_size, 13).tolist()
     _, want, _ = hf_first_step(hf_target, hf_mtp, tokens)
     hidden, _, _ = target_pass(target, np.asarray([tokens[:-1]]))
     with jax.default_matmul_precision("highest"):
@@ -85,13 +106,14 @@ def test_the_first_step_matches_transformers_mtp_layer(with_mtp, loaded):
     assert (got.argmax(-1) == want.numpy().argmax(-1)).all() and out is feed
 
 
-def test_chained_drafts_match_transformers_reusing_the_layer(with_mtp, loaded):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_chained_drafts_match_transformers_reusing_the_layer(checkpoints, layout):
     """k = 3 greedy drafts from the proposer (observe the prefill, then propose) equal transformers' MTP layer run
     three times, each step fed the previous draft and the previous post-norm output one position on."""
-    hf_target, hf_mtp, _ = with_mtp
-    target, head = loaded
+    hf_target, hf_mtp, path = checkpoints(layout)
+    target, head = load(path)
     k = 3
-    prompt = np.random.default_rng(1).integers(0, 160, 9).tolist()
+    prompt = np.random.default_rng(1).integers(0, target.cfg.vocab_size, 9).tolist()
     # The target's first token after the prompt, then the MTP chain from there (transformers).
     hidden, cache, _ = target_pass(target, np.asarray([prompt]))
     first = int(np.argmax(np.asarray(target.logits(hidden[0, -1]))))
@@ -118,20 +140,28 @@ def test_chained_drafts_match_transformers_reusing_the_layer(with_mtp, loaded):
 
 
 @pytest.fixture(scope="module")
-def plain(with_mtp, default_model_dir):
-    llm = LLM(str(with_mtp[2]), tokenizer=str(default_model_dir), dtype="float32", **LIMITS)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+def plain(checkpoints, default_model_dir):
+    made = {}
+
+    def run(layout: str):
+        if layout not in made:
+            llm = LLM(str(checkpoints(layout)[2]), tokenizer=str(default_model_dir), dtype="float32", **LIMITS)
+            made[layout] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        return made[layout]
+
+    return run
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_greedy_mtp_equals_plain_decoding(with_mtp, default_model_dir, plain, k):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_greedy_mtp_equals_plain_decoding(checkpoints, default_model_dir, plain, layout, k):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        llm = LLM(str(with_mtp[2]), tokenizer=str(default_model_dir), dtype="float32", **LIMITS,
+        llm = LLM(str(checkpoints(layout)[2]), tokenizer=str(default_model_dir), dtype="float32", **LIMITS,
                   speculative_config={"method": "mtp", "num_speculative_tokens": k})
     assert any("same MTP layer" in str(w.message) for w in caught) == (k > 1)   # vLLM's warning
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert [o.outputs[0].token_ids for o in outs] == plain(layout)
     metrics = {m.name: m for m in llm.get_metrics()}
     assert metrics["vllm:spec_decode_num_drafts"].value > 0
     assert metrics["vllm:spec_decode_num_draft_tokens"].value == sum(o.outputs[0].num_draft_tokens for o in outs)

@@ -29,7 +29,8 @@ from specjax.models.weight_map import LeafSpec, fused
 from specjax.parallel.mesh import shards_kv_heads
 from specjax.parallel.plan import PartitionRules
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# MiMo-7B (MiMoForCausalLM) is a Qwen2 decoder with MTP layers (models/mtp.py reads those).
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MiMoForCausalLM")
 # transformers' sliding_window where Mistral's and Qwen2/3's config.json leave it out.
 DEFAULT_SLIDING_WINDOW = 4096
 # The layer_types entries these architectures know, and whether the layer attends through a sliding window.
@@ -98,8 +99,8 @@ class LlamaConfig:
             rope_theta=_rope_theta(d),
             rope_scaling=d.get("rope_scaling") or _rope_parameters_scaling(d.get("rope_parameters")),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
-            # Qwen2 always has q/k/v biases; Llama/Mistral only when `attention_bias` says so.
-            attention_bias=d.get("attention_bias", arch.startswith("Qwen2")),
+            # Qwen2 (and MiMo, a Qwen2) always has q/k/v biases; Llama/Mistral only when `attention_bias` says so.
+            attention_bias=d.get("attention_bias", arch.startswith(("Qwen2", "MiMo"))),
             qk_norm=arch.startswith("Qwen3"),
             max_position_embeddings=max_positions,
             bos_token_id=d.get("bos_token_id"),
@@ -167,29 +168,39 @@ def _rope_parameters_scaling(params: dict | None) -> dict | None:
 # ---------------------------------------------------------------------------------------------- weights
 
 def weight_map(cfg: LlamaConfig) -> dict[str, LeafSpec]:
-    """Tree path -> LeafSpec. q/k/v are fused with one group per kv head, gate/up with one group per
-    intermediate column; matrices are stored [in, out] and stacked over layers."""
-    L, H, I, D, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.vocab_size
-    q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
-    attn, mlp = "model.layers.{i}.self_attn", "model.layers.{i}.mlp"
-    qkv = (f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj")
-    specs = {
-        "embed": LeafSpec(("model.embed_tokens.weight",), (V, H), False),
-        "layers/attn_norm": LeafSpec(("model.layers.{i}.input_layernorm.weight",), (L, H), False),
-        "layers/mlp_norm": LeafSpec(("model.layers.{i}.post_attention_layernorm.weight",), (L, H), False),
-        "layers/w_qkv": fused([f"{n}.weight" for n in qkv], (L, H), (q, kv, kv), cfg.num_kv_heads, True),
-        "layers/wo": LeafSpec((f"{attn}.o_proj.weight",), (L, q, H), True),
-        "layers/w_gate_up": fused([f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"], (L, H), (I, I), I, True),
-        "layers/w_down": LeafSpec((f"{mlp}.down_proj.weight",), (L, I, H), True),
-        "final_norm": LeafSpec(("model.norm.weight",), (H,), False),
-    }
-    if cfg.attention_bias:
-        specs["layers/b_qkv"] = fused([f"{n}.bias" for n in qkv], (L,), (q, kv, kv), cfg.num_kv_heads, False)
-    if cfg.qk_norm:
-        specs["layers/q_norm"] = LeafSpec((f"{attn}.q_norm.weight",), (L, D), False)
-        specs["layers/k_norm"] = LeafSpec((f"{attn}.k_norm.weight",), (L, D), False)
+    """Tree path -> LeafSpec: embed, layers/* (stacked over the layers), final_norm, lm_head. Matrices are stored
+    [in, out]."""
+    H, V = cfg.hidden_size, cfg.vocab_size
+    layers = layer_weight_map(cfg, "model.layers.{i}.", cfg.num_layers)
+    specs = {"embed": LeafSpec(("model.embed_tokens.weight",), (V, H), False),
+             **{f"layers/{name}": spec for name, spec in layers.items()},
+             "final_norm": LeafSpec(("model.norm.weight",), (H,), False)}
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = LeafSpec(("lm_head.weight",), (H, V), True)
+    return specs
+
+
+def layer_weight_map(cfg: LlamaConfig, prefix: str, num_layers: int) -> dict[str, LeafSpec]:
+    """One decoder layer's leaves, stacked over `num_layers` layers whose tensors are named `prefix` +
+    "self_attn...." ("{i}" in prefix: the layer index): the target's layers, and an MTP layer's block. q/k/v are
+    fused with one group per kv head, gate/up with one group per intermediate column."""
+    L, H, I, D = num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
+    attn, mlp = prefix + "self_attn", prefix + "mlp"
+    qkv = (f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj")
+    specs = {
+        "attn_norm": LeafSpec((prefix + "input_layernorm.weight",), (L, H), False),
+        "mlp_norm": LeafSpec((prefix + "post_attention_layernorm.weight",), (L, H), False),
+        "w_qkv": fused([f"{n}.weight" for n in qkv], (L, H), (q, kv, kv), cfg.num_kv_heads, True),
+        "wo": LeafSpec((f"{attn}.o_proj.weight",), (L, q, H), True),
+        "w_gate_up": fused([f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"], (L, H), (I, I), I, True),
+        "w_down": LeafSpec((f"{mlp}.down_proj.weight",), (L, I, H), True),
+    }
+    if cfg.attention_bias:
+        specs["b_qkv"] = fused([f"{n}.bias" for n in qkv], (L,), (q, kv, kv), cfg.num_kv_heads, False)
+    if cfg.qk_norm:
+        specs["q_norm"] = LeafSpec((f"{attn}.q_norm.weight",), (L, D), False)
+        specs["k_norm"] = LeafSpec((f"{attn}.k_norm.weight",), (L, D), False)
     return specs
 
 
@@ -229,8 +240,9 @@ def check_tensor_parallel(cfg: LlamaConfig, tensor_parallel_size: int, *, field:
 
 def ignored_tensors(cfg: LlamaConfig) -> str | None:
     """Checkpoint tensors the model does not read: a tied model's lm_head copy (transformers ties it to the
-    embedding too), the rotary tables old exports carry."""
-    return r"lm_head\.weight$|.*rotary_emb\.inv_freq$" if cfg.tie_word_embeddings else r".*rotary_emb\.inv_freq$"
+    embedding too), the rotary tables old exports carry, MiMo's MTP layers (the mtp proposer reads them)."""
+    ignored = r".*rotary_emb\.inv_freq$|model\.mtp_layers\."
+    return r"lm_head\.weight$|" + ignored if cfg.tie_word_embeddings else ignored
 
 
 def unstack_layers(params: dict, num_layers: int) -> dict:

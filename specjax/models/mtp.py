@@ -1,5 +1,8 @@
-"""MTP (multi-token prediction) layers as a draft head: the layers a target's checkpoint carries after its decoder
-(DeepSeek-V3: `model.layers.{num_hidden_layers + i}`), drafting the token after next from the target's hidden state.
+"""MTP (multi-token prediction) layers as a draft head: the layers a target's checkpoint carries after its decoder,
+drafting the token after next from the target's hidden state. Two layouts:
+- DeepSeek-V3 (`model.layers.{num_hidden_layers + i}`: enorm, hnorm, eh_proj, shared_head.norm, an MLA + MoE block);
+- MiMo-7B (`model.mtp_layers.{i}`: token_layernorm, hidden_layernorm, input_proj, final_layernorm, a Qwen2 block),
+  whose projection reads the hidden state first.
 
 One MTP step for the pair (token t+1, hidden h_t) at position t (vLLM's convention; the embedding is zeroed at
 position 0, as vLLM does):
@@ -22,14 +25,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.kernels.attention import attention
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.projection_reference import rms_norm
-from specjax.models import deepseek
+from specjax.models import deepseek, llama
+from specjax.models.kv_cache import KVCache, write_layer
+from specjax.models.layers import decoder_layer
 from specjax.models.mla import LatentCache
+from specjax.models.rope import rotary
 from specjax.models.weight_map import LeafSpec
 from specjax.parallel.plan import nest_paths
 
-LAYOUTS = ("deepseek",)
+# layout -> (the MTP layer's tensor prefix, names of enorm, hnorm, eh_proj, the shared head's norm)
+LAYOUTS = {"deepseek": ("model.layers.{layer}.", ("enorm", "hnorm", "eh_proj", "shared_head.norm")),
+           "mimo": ("model.mtp_layers.0.", ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm"))}
 
 
 class Frozen(nnx.Variable):
@@ -54,9 +63,9 @@ class MtpConfig:
         return self.target.vocab_size
 
     @property
-    def layer_index(self) -> int:
-        """The checkpoint's layer index of the (first) MTP layer."""
-        return self.target.num_layers
+    def prefix(self) -> str:
+        """The checkpoint's tensor-name prefix of the (first) MTP layer."""
+        return LAYOUTS[self.layout][0].format(layer=self.target.num_layers)
 
 
 def num_mtp_layers(d: Mapping[str, Any]) -> int:
@@ -73,27 +82,34 @@ def mtp_config(d: Mapping[str, Any], target: Any) -> MtpConfig:
     if count > 1:
         raise ValueError(f"config.json declares {count} MTP layers; specjax drafts with checkpoints of one MTP layer "
                          "(DeepSeek-V3 / R1), rerunning it for k > 1")
-    if not isinstance(target, deepseek.DeepseekConfig):
-        raise ValueError(f"MTP layers of a {target.architecture} target are not supported; supported: "
-                         f"{', '.join(deepseek.ARCHITECTURES)}")
-    return MtpConfig(target=target, num_mtp_layers=count)
+    if isinstance(target, deepseek.DeepseekConfig):
+        return MtpConfig(target=target, num_mtp_layers=count)
+    if isinstance(target, llama.LlamaConfig) and target.architecture == "MiMoForCausalLM":
+        return MtpConfig(target=target, num_mtp_layers=count, layout="mimo", hidden_first=True)
+    raise ValueError(f"MTP layers of a {target.architecture} target are not supported; supported: "
+                     f"{', '.join(deepseek.ARCHITECTURES)}, MiMoForCausalLM")
 
 
 def mtp_weight_map(cfg: MtpConfig) -> dict[str, LeafSpec]:
     """The head's own leaves: enorm, hnorm, eh_proj [2H, H], shared_norm, and block/* (the decoder block,
     stacked over its one layer)."""
-    H, prefix = cfg.hidden_size, f"model.layers.{cfg.layer_index}."
-    specs = {"enorm": LeafSpec((prefix + "enorm.weight",), (H,)), "hnorm": LeafSpec((prefix + "hnorm.weight",), (H,)),
-             "eh_proj": LeafSpec((prefix + "eh_proj.weight",), (2 * H, H), True),
-             "shared_norm": LeafSpec((prefix + "shared_head.norm.weight",), (H,))}
-    block = deepseek.layer_weight_map(cfg.target, "moe", (cfg.layer_index,))
+    H, prefix = cfg.hidden_size, cfg.prefix
+    enorm, hnorm, eh_proj, shared_norm = LAYOUTS[cfg.layout][1]
+    specs = {"enorm": LeafSpec((prefix + enorm + ".weight",), (H,)),
+             "hnorm": LeafSpec((prefix + hnorm + ".weight",), (H,)),
+             "eh_proj": LeafSpec((prefix + eh_proj + ".weight",), (2 * H, H), True),
+             "shared_norm": LeafSpec((prefix + shared_norm + ".weight",), (H,))}
+    if cfg.layout == "deepseek":
+        block = deepseek.layer_weight_map(cfg.target, "moe", (cfg.target.num_layers,))
+    else:
+        block = llama.layer_weight_map(cfg.target, "model.mtp_layers.{i}.", 1)   # stacked over layer 0 alone
     return {**specs, **{f"block/{name}": spec for name, spec in block.items()}}
 
 
 def mtp_ignored(cfg: MtpConfig) -> str:
     """The checkpoint tensors the head does not read: the target's, and the MTP layer's copies of the target's
     embedding and lm_head."""
-    prefix = rf"model\.layers\.{cfg.layer_index}\."
+    prefix = cfg.prefix.replace(".", r"\.")
     return rf"(?!{prefix})|{prefix}(embed_tokens|shared_head\.head)\."
 
 
@@ -123,12 +139,19 @@ class MtpHead(nnx.Module):
         """The target's final-normed hidden states are the head's input as they are."""
         return target_hidden
 
-    def init_cache(self, batch: int, max_len: int) -> LatentCache:
-        return LatentCache.init(1, batch, max_len, self.cfg.target.latent_width, self.dtype)
+    def init_cache(self, batch: int, max_len: int) -> LatentCache | KVCache:
+        """The block's own one-layer cache, in its family's layout."""
+        target = self.cfg.target
+        if self.cfg.layout == "deepseek":
+            return LatentCache.init(1, batch, max_len, target.latent_width, self.dtype)
+        return KVCache.init(1, batch, target.num_kv_heads, max_len, target.head_dim, self.dtype)
 
     def cache_bytes(self, batch: int, max_len: int) -> int:
         """The head is replicated: each device holds its whole cache."""
-        return LatentCache.bytes(1, batch, max_len, self.cfg.target.latent_width, self.dtype)
+        target = self.cfg.target
+        if self.cfg.layout == "deepseek":
+            return LatentCache.bytes(1, batch, max_len, target.latent_width, self.dtype)
+        return KVCache.bytes(1, batch, target.num_kv_heads, max_len, target.head_dim, self.dtype)
 
     def __call__(self, tokens: jax.Array, hidden: jax.Array, start: jax.Array,
                  cache: LatentCache) -> tuple[jax.Array, jax.Array, LatentCache]:
@@ -140,10 +163,27 @@ class MtpHead(nnx.Module):
         parts = [rms_norm(embeds, self.enorm[...], eps), rms_norm(hidden, self.hnorm[...], eps)]
         x = jnp.concatenate(parts[::-1] if cfg.hidden_first else parts, axis=-1) @ self.eh_proj[...]
         weights = {name: var[...][0] for name, var in self.block.items()}
-        y, latent = deepseek.decoder_layer(x, cache.latent, weights, 0, start, cfg.target, self.kernels,
-                                           moe_layer=True)
+        y, cache = self._block(x, weights, positions, start, cache)
         out = rms_norm(y, self.shared_norm[...], eps)
-        return out, out, LatentCache(latent)
+        return out, out, cache
+
+    def _block(self, x, weights, positions, start, cache):
+        """The family's decoder block over the head's one-layer cache."""
+        target = self.cfg.target
+        if self.cfg.layout == "deepseek":
+            y, latent = deepseek.decoder_layer(x, cache.latent, weights, 0, start, target, self.kernels, moe_layer=True)
+            return y, LatentCache(latent)
+        k_cache, v_cache = cache.k, cache.v
+
+        def attend(q, k, v):
+            nonlocal k_cache, v_cache
+            k_cache, v_cache = write_layer(k_cache, 0, k, start), write_layer(v_cache, 0, v, start)
+            return attention(q, k_cache, v_cache, 0, start, scale=target.head_dim ** -0.5, kernels=self.kernels)
+
+        rotate = rotary(target.head_dim, target.rope_theta, target.rope_scaling,
+                        max_position_embeddings=target.max_position_embeddings)
+        y = decoder_layer(x, x, weights, target, positions, rotate, attend, self.kernels, input_norm=weights["attn_norm"])
+        return y, KVCache(k_cache, v_cache)
 
     def logits(self, out: jax.Array) -> jax.Array:
         """fp32 logits over the target's vocabulary, through its lm_head."""

@@ -13,7 +13,7 @@ FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY, deepseek.FAMILY)
 ARCHITECTURES: dict[str, ModelFamily] = {arch: family for family in FAMILIES for arch in family.architectures}
 # config.json files without `architectures` (hand-written or old exports) are known by their model_type.
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM", "mimo": "MiMoForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
