@@ -226,8 +226,9 @@ class LLM:
 
 def _shown(value: Any) -> str:
     """A value for an error message: its type and a short repr."""
-    text = repr(value)
-    return f"a {type(value).__name__} ({text if len(text) <= 40 else text[:37] + '...'})"
+    text, name = repr(value), type(value).__name__
+    article = "an" if name[0] in "aeiou" else "a"
+    return f"{article} {name} ({text if len(text) <= 40 else text[:37] + '...'})"
 
 
 def _as_prompt_list(prompts) -> list:
