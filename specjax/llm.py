@@ -21,8 +21,10 @@ from specjax.engine.stop_strings import apply_stop_strings, token_finish_reason
 from specjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, spec_decode_metrics
 from specjax.sampling_params import SamplingParams, child_params
 
-# The keys of vLLM's text and token prompts that specjax reads; others (multi_modal_data, ...) are refused.
+# The keys of vLLM's text and token prompts that specjax reads; other keys are ignored, as vLLM does, except those
+# vLLM gives a meaning specjax lacks (the output would silently differ): those are refused.
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
+UNSUPPORTED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "prompt_embeds", "token_type_ids")
 
 
 class LLM:
@@ -181,10 +183,13 @@ class LLM:
         if not isinstance(prompt, Mapping):
             raise TypeError(f"prompt {index} is {_shown(prompt)}: a prompt is a string, {{'prompt': '<text>'}} or "
                             "{'prompt_token_ids': [<int>, ...]}")
-        unknown = sorted(set(prompt) - set(PROMPT_KEYS), key=str)
-        if unknown or not set(prompt) & set(PROMPT_KEYS):
-            raise ValueError(f"prompt {index} is a dict with keys {sorted(prompt, key=str)}: specjax reads 'prompt' "
-                             "(text) or 'prompt_token_ids' (a list of ints), nothing else")
+        if not set(prompt) & set(PROMPT_KEYS):
+            raise ValueError(f"prompt {index} is a dict with keys {sorted(prompt, key=str)}: a prompt dict needs "
+                             "'prompt' (text) or 'prompt_token_ids' (a list of ints)")
+        unsupported = [key for key in UNSUPPORTED_PROMPT_KEYS if key in prompt]
+        if unsupported:
+            raise ValueError(f"prompt {index} has {unsupported}, which specjax does not support (text-only models): "
+                             "remove them")
         if "prompt_token_ids" in prompt:
             return _token_ids(index, prompt["prompt_token_ids"])
         if not isinstance(prompt["prompt"], str):

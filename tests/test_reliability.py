@@ -47,8 +47,9 @@ SLOPPY_CALLS = [
      r"prompt 1's prompt_token_ids .* entry 1 is a bool"),
     (lambda llm: llm.generate({"prompt_token_ids": 17}, GREEDY), TypeError, "got an int"),
     (lambda llm: llm.generate({"text": "hi"}, GREEDY), ValueError,
-     r"prompt 0 is a dict with keys \['text'\]: specjax reads 'prompt' .* or 'prompt_token_ids'"),
-    (lambda llm: llm.generate({"prompt": "hi", "multi_modal_data": {}}, GREEDY), ValueError, "multi_modal_data"),
+     r"prompt 0 is a dict with keys \['text'\]: a prompt dict needs 'prompt' .* or 'prompt_token_ids'"),
+    (lambda llm: llm.generate({"prompt": "hi", "multi_modal_data": {}}, GREEDY), ValueError,
+     r"prompt 0 has \['multi_modal_data'\], which specjax does not support"),
     (lambda llm: llm.generate({"prompt": 42}, GREEDY), TypeError, r"prompt 0's 'prompt' must be a string"),
     (lambda llm: llm.generate(None, GREEDY), TypeError, "prompts must be a prompt .* got a NoneType"),
     (lambda llm: llm.generate(17, GREEDY), TypeError, "prompts must be a prompt"),
@@ -90,10 +91,11 @@ def test_the_engine_keeps_working_after_refusals(llm):
     for call, error, _ in SLOPPY_CALLS[:5]:
         with pytest.raises(error):
             call(llm)
-    outputs = llm.generate(["The capital of France is", {"prompt_token_ids": np.arange(5, 9)}], GREEDY,
-                           use_tqdm=False)
+    outputs = llm.generate(["The capital of France is", {"prompt_token_ids": np.arange(5, 9), "cache_salt": "x"}],
+                           GREEDY, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [6, 6]
-    assert outputs[1].prompt_token_ids == [5, 6, 7, 8]   # a 1-D integer array is taken as token ids
+    # A 1-D integer array is taken as token ids; keys vLLM gives no meaning to results (cache_salt) are ignored.
+    assert outputs[1].prompt_token_ids == [5, 6, 7, 8]
 
 
 def test_max_logprobs_raises_vllms_limit(model_dir):
