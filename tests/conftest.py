@@ -40,13 +40,13 @@ def make_tiny_checkpoint(family: str, out_dir: Path, *, seed: int = 0, max_shard
     config = getattr(transformers, config_cls)(**TINY_COMMON, **extra)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize_norms_and_biases(model, seed)
+    randomize_norms_and_biases(model, seed)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
     return out_dir
 
 
-def _randomize_norms_and_biases(model, seed: int) -> None:
+def randomize_norms_and_biases(model, seed: int) -> None:
     """Norm weights init to 1 and biases to 0; make them random so a mix-up between leaves shows."""
     import torch
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from conftest import randomize_norms_and_biases
+
 TINY_MIMO = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
                  tie_word_embeddings=False, use_sliding_window=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -26,8 +28,8 @@ def save_tiny_mimo(out_dir: Path, *, seed: int = 0):
     torch.manual_seed(seed)
     target = transformers.Qwen2ForCausalLM(config).to(torch.float32).eval()
     mtp = MtpModel(target, 1).to(torch.float32).eval()
-    _randomize(target, seed + 1)
-    _randomize(mtp, seed + 2)
+    randomize_norms_and_biases(target, seed)
+    randomize_norms_and_biases(mtp, seed + 1)
     out_dir = Path(out_dir)
     target.save_pretrained(out_dir, safe_serialization=True)
     tensors = load_file(out_dir / "model.safetensors")
@@ -42,15 +44,3 @@ def save_tiny_mimo(out_dir: Path, *, seed: int = 0):
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2))
     return target, mtp, out_dir
 
-
-def _randomize(model, seed: int) -> None:
-    """Norms (initialised to 1 or 0) and biases (0) random, so a mix-up between them shows."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
-            elif name.endswith(".bias"):
-                param.copy_(0.1 * torch.randn(param.shape, generator=gen))

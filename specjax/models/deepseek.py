@@ -21,7 +21,7 @@ from flax import nnx
 
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.projection_reference import rms_norm
-from specjax.models.family import ForwardAux
+from specjax.models.family import ForwardAux, default_unroll, module_from_params
 from specjax.models.fp8 import dequantize_blocks
 from specjax.models.mla import LatentCache, mla_attention, split_kv_b
 from specjax.models.moe import SCORING_FUNCS, TOPK_METHODS, Routing, moe, splits_shared, swiglu_mlp
@@ -335,11 +335,6 @@ def check_tensor_parallel(cfg: DeepseekConfig, tensor_parallel_size: int, *, fie
 
 # ---------------------------------------------------------------------------------------------- module
 
-def default_unroll() -> bool:
-    """Unrolled per-layer weights on GPUs, stacked and scanned elsewhere (as the Llama family)."""
-    return jax.default_backend() == "gpu"
-
-
 def init_leaf(path: str, spec: LeafSpec, dtype, key: jax.Array) -> jax.Array:
     """Random weights for benchmarks and tests: norms 1, the router bias 0, FP8 weights of unit scale under
     scales of 0.02, other matrices normal * 0.02."""
@@ -478,12 +473,8 @@ class DeepseekFamily:
     def build(cfg: DeepseekConfig, params: dict, *, kernels: KernelPolicy = KernelPolicy(),
               unroll_layers: bool | None = None) -> DeepseekForCausalLM:
         """The module holding `params` (each group stacked over its layers), consumed when unrolled."""
-        dtype = params["embed"].dtype
-        unroll = default_unroll() if unroll_layers is None else unroll_layers
-        model = nnx.eval_shape(lambda: DeepseekForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), kernels=kernels,
-                                                           unroll_layers=unroll))
-        nnx.update(model, unstack_groups(params, cfg) if unroll else params)
-        return model
+        return module_from_params(DeepseekForCausalLM, cfg, params, kernels=kernels, unroll_layers=unroll_layers,
+                                  unstack=lambda tree: unstack_groups(tree, cfg))
 
     @staticmethod
     def random(cfg: DeepseekConfig, *, dtype: np.dtype = jnp.float32, seed: int = 0,

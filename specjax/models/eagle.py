@@ -38,6 +38,7 @@ from flax import nnx
 from specjax.config.speculative import method_from_head_config
 from specjax.kernels.attention import attention
 from specjax.kernels.policy import KernelPolicy
+from specjax.models.family import Frozen
 from specjax.models.kv_cache import KVCache, write_layer
 from specjax.models.layers import decoder_layer, rms_norm
 from specjax.models.rope import rotary
@@ -51,10 +52,6 @@ EAGLE_METHODS = ("eagle", "eagle3")
 LmHeadSource = Literal["head", "target", "target_embed"]
 # attend(layer_index, q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D]) -> [B,T,Hq,D]; q and k already rotated.
 LayerAttend = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
-
-
-class Frozen(nnx.Variable):
-    """Weights a head uses but never trains: the (shared) embedding and lm_head, the vocabulary map."""
 
 
 @dataclasses.dataclass(frozen=True)

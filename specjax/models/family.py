@@ -9,10 +9,11 @@ families; checkpoints_conv's loader applies a family's weight map; specjax.paral
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import jax
 import numpy as np
+from flax import nnx
 
 from specjax.kernels.policy import KernelPolicy
 from specjax.models.weight_map import LeafSpec
@@ -97,3 +98,28 @@ class ModelFamily(Protocol):
     def random(self, cfg: Any, *, dtype: np.dtype, seed: int, kernels: KernelPolicy,
                unroll_layers: bool | None) -> CausalLM:
         """The module with random weights (speed benchmarks and tests)."""
+
+
+class Frozen(nnx.Variable):
+    """Weights a draft head reads but never trains: the target's embedding and lm_head it shares, a vocabulary
+    map (training updates nnx.Param leaves only)."""
+
+
+def default_unroll() -> bool:
+    """Unrolled per-layer weights on GPUs (a matmul reads its own weight buffer, where slicing a stacked leaf inside
+    the generate while_loop made XLA copy every layer's weights every step), stacked and scanned elsewhere
+    (compile time flat in depth)."""
+    return jax.default_backend() == "gpu"
+
+
+def module_from_params(module_cls: Callable[..., nnx.Module], cfg: Any, params: dict, *, kernels: KernelPolicy,
+                       unroll_layers: bool | None, unstack: Callable[[dict], dict]) -> nnx.Module:
+    """A family's module holding a loaded param tree (stacked layer leaves; `unstack` turns it into the per-layer
+    layout, consuming it, when the layers are unrolled): built abstract, then filled, so no random weights are
+    ever made."""
+    unroll = default_unroll() if unroll_layers is None else unroll_layers
+    dtype = params["embed"].dtype
+    model = nnx.eval_shape(lambda: module_cls(cfg, dtype=dtype, rngs=nnx.Rngs(0), kernels=kernels,
+                                              unroll_layers=unroll))
+    nnx.update(model, unstack(params) if unroll else params)
+    return model

@@ -21,7 +21,7 @@ from flax import nnx
 from specjax.kernels.attention import attention
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.prefill_attention import prefill_attention
-from specjax.models.family import ForwardAux
+from specjax.models.family import ForwardAux, default_unroll, module_from_params
 from specjax.models.kv_cache import KVCache, write_layer
 from specjax.models.layers import decoder_layer, rms_norm
 from specjax.models.rope import rotary
@@ -266,11 +266,6 @@ def stack_layers(params: dict) -> dict:
     return {**params, "layers": {name: jnp.stack([layers[i][name] for i in range(len(layers))]) for name in names}}
 
 
-def default_unroll() -> bool:
-    """Unrolled per-layer weights on GPUs, stacked and scanned elsewhere (CPU compile time stays flat)."""
-    return jax.default_backend() == "gpu"
-
-
 # ---------------------------------------------------------------------------------------------- module
 
 def _init(rngs: nnx.Rngs, shape: Sequence[int], dtype) -> nnx.Param:
@@ -400,12 +395,8 @@ class LlamaFamily:
     def build(cfg: LlamaConfig, params: dict, *, kernels: KernelPolicy = KernelPolicy(),
               unroll_layers: bool | None = None) -> LlamaForCausalLM:
         """The module holding `params` (stacked layer leaves), consumed when the layers are unrolled."""
-        dtype = jax.tree_util.tree_leaves(params)[0].dtype
-        unroll = default_unroll() if unroll_layers is None else unroll_layers
-        model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), kernels=kernels,
-                                                        unroll_layers=unroll))
-        nnx.update(model, unstack_layers(params, cfg.num_layers) if unroll else params)
-        return model
+        return module_from_params(LlamaForCausalLM, cfg, params, kernels=kernels, unroll_layers=unroll_layers,
+                                  unstack=lambda tree: unstack_layers(tree, cfg.num_layers))
 
     @staticmethod
     def random(cfg: LlamaConfig, *, dtype: np.dtype = jnp.float32, seed: int = 0,

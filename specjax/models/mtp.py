@@ -29,6 +29,7 @@ from specjax.kernels.attention import attention
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.projection_reference import rms_norm
 from specjax.models import deepseek, llama
+from specjax.models.family import Frozen
 from specjax.models.kv_cache import KVCache, write_layer
 from specjax.models.layers import decoder_layer
 from specjax.models.mla import LatentCache
@@ -39,10 +40,6 @@ from specjax.parallel.plan import nest_paths
 # layout -> (the MTP layer's tensor prefix, names of enorm, hnorm, eh_proj, the shared head's norm)
 LAYOUTS = {"deepseek": ("model.layers.{layer}.", ("enorm", "hnorm", "eh_proj", "shared_head.norm")),
            "mimo": ("model.mtp_layers.0.", ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm"))}
-
-
-class Frozen(nnx.Variable):
-    """The target's weights the head reads (embedding, lm_head)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from specjax.models.eagle import EagleConfig, EagleHead, Frozen
+from specjax.models.eagle import EagleConfig, EagleHead
+from specjax.models.family import Frozen
 from specjax.kernels.policy import KernelPolicy
 from specjax.models.llama import LlamaConfig
 from specjax.training.features import FeatureStore
