@@ -1,6 +1,6 @@
 """Verify/decode attention on a GPU: correctness against the reference, then bandwidth.
 
-Run in one device call:  PYTHONPATH=. python benchmarks/bench_attention.py [--sweep]
+Run in one device call:  PYTHONPATH=. python benchmarks/bench_attention.py [--sweep] [--smoke]
 1. checks the Triton kernel against the reference on several shapes (GQA 1/4/8, mixed lengths,
    NaN garbage past each row's last token, fp32 and bf16, a prefill) and that the compiled
    program never copies a layer's K/V out of the stacked cache;
@@ -10,7 +10,9 @@ Run in one device call:  PYTHONPATH=. python benchmarks/bench_attention.py [--sw
    Llama-3.1-8B attention shape (Hq=32, Hkv=8, D=128, bf16), T in 1/4/8/16, context
    1024/4096/16384, batch 1 and 8. Bandwidth = K+V bytes of the visible context / time.
 `--sweep` then times launch-parameter variants on the key shapes (SWEEP_SHAPES). Prints a table;
-writes JSON to $OUT (or ./) as bench_attention.json, updated after each shape.
+writes JSON to $OUT (or benchmarks/results) as bench_attention.json, updated after each shape.
+`--smoke` runs the same steps on tiny shapes (the kernels in interpret mode off GPUs, where the profiler sees no
+device time and the table shows wall-clock figures): a check of the script, not a measurement.
 `--ncu` only launches a few variants once each, for Nsight Compute. Run it with
 XLA_PYTHON_CLIENT_PREALLOCATE=false and a --kernel-name filter: with JAX's default
 preallocation ncu saves and restores ~100 GB per replay pass (one attempt timed out).
@@ -21,9 +23,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -32,19 +34,47 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from benchmarks.common import relative_error
+from benchmarks.common import interpret_kernels, out_dir, relative_error
 from benchmarks.device_trace import median_duration_us, traced_kernels
-from specjax.kernels.attention import attention, choose_impl
+from specjax.kernels.attention import attention, choose_attention
 from specjax.kernels.attention_reference import attention_reference
 from specjax.kernels.attention_triton import KernelConfig, attention_triton, default_config
+from specjax.kernels.policy import KernelPolicy
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 TOKENS = (1, 4, 8, 16)
 CONTEXTS = (1024, 4096, 16384)
 BATCHES = (1, 8)
-# Enough distinct layers that one timed pass reads far more than the 60 MB L2.
-ROTATION_BYTES = 1 << 30
-REPEATS = 10
+SWEEP_SHAPES = ((8, 1, 4096), (8, 4, 4096), (8, 1, 16384), (1, 1, 16384))
+# batch, tokens, q_heads, kv_heads, slots, head_dim, dtype
+CASES = (
+    (4, 1, 32, 8, 1000, 128, jnp.bfloat16),
+    (3, 5, 32, 8, 4096, 128, jnp.bfloat16),
+    (2, 16, 64, 8, 2048, 128, jnp.bfloat16),
+    (5, 3, 16, 16, 777, 64, jnp.float32),
+    (2, 9, 28, 4, 1500, 128, jnp.float32),
+    (1, 600, 32, 8, 1024, 128, jnp.bfloat16),   # prefill: row tiles
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """How big a run is: the GPU run, or --smoke's tiny one."""
+    cases: tuple = CASES                     # the correctness checks
+    compiled_shape: tuple = (8, 4, 4096)     # batch, tokens, context of the compiled-program report
+    copy_elements: int = 1 << 28             # float32 elements (1 GiB) of the copy-bandwidth passes
+    # Enough distinct layers that one timed pass reads far more than the 60 MB L2.
+    rotation_bytes: int = 1 << 30
+    repeats: int = 10
+    flash_cases: tuple = ((8, 4096), (1, 16384))   # batch, context of JAX's flash decoding
+    flash_splits: tuple = (4, 8, 16)
+    table_shapes: tuple = tuple((b, t, c) for b in BATCHES for c in CONTEXTS for t in TOKENS)
+    key_shapes: tuple = SWEEP_SHAPES         # --quick's table and the sweep's shapes
+
+
+SMOKE = Scale(cases=((2, 20, 8, 2, 64, 16, jnp.bfloat16),), compiled_shape=(2, 4, 64), copy_elements=1 << 20,
+              rotation_bytes=0, repeats=1, flash_cases=((1, 256),), flash_splits=(2,), table_shapes=((2, 4, 64),),
+              key_shapes=((2, 1, 64),))
 
 
 _BEGIN = time.perf_counter()
@@ -54,7 +84,7 @@ def log(*parts) -> None:
     print(f"[{time.perf_counter() - _BEGIN:6.1f}s]", *parts, flush=True)
 
 
-def median_seconds(run, repeats: int = REPEATS) -> float:
+def median_seconds(run, repeats: int) -> float:
     """Median wall time of run() (which blocks until the device is done), after two warm-ups."""
     run()
     run()
@@ -66,19 +96,19 @@ def median_seconds(run, repeats: int = REPEATS) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth() -> dict:
+def copy_bandwidth(scale: Scale) -> dict:
     """Device-to-device bandwidth of a large elementwise pass and a plain copy (read + write)."""
-    x = jax.random.normal(jax.random.key(0), (1 << 28,), jnp.float32)  # 1 GiB
+    x = jax.random.normal(jax.random.key(0), (scale.copy_elements,), jnp.float32)
     results = {}
     for name, fn in (("x+1", jax.jit(lambda a: a + 1)), ("copy", jax.jit(jnp.copy))):
-        seconds = median_seconds(lambda: fn(x).block_until_ready())
+        seconds = median_seconds(lambda: fn(x).block_until_ready(), scale.repeats)
         results[name] = 2 * x.nbytes / seconds / 1e9
-    results.update(_torch_copy_bandwidth())
+    results.update(_torch_copy_bandwidth(scale))
     results["ceiling_gbs"] = max(results.values())
     return results
 
 
-def _torch_copy_bandwidth() -> dict:
+def _torch_copy_bandwidth(scale: Scale) -> dict:
     """A plain cudaMemcpy-style copy through PyTorch (CUDA events), where PyTorch is there."""
     try:
         import torch
@@ -86,10 +116,10 @@ def _torch_copy_bandwidth() -> dict:
         return {}
     if not torch.cuda.is_available():
         return {}
-    src = torch.randn(1 << 28, device="cuda")  # 1 GiB
+    src = torch.randn(scale.copy_elements, device="cuda")
     dst = torch.empty_like(src)
     times = []
-    for index in range(REPEATS + 2):
+    for index in range(scale.repeats + 2):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         dst.copy_(src)
@@ -98,7 +128,7 @@ def _torch_copy_bandwidth() -> dict:
         if index >= 2:
             times.append(begin.elapsed_time(end) / 1e3)
     del src, dst
-    return {"torch_copy": 2 * (1 << 30) / statistics.median(times) / 1e9}
+    return {"torch_copy": 2 * 4 * scale.copy_elements / statistics.median(times) / 1e9}
 
 
 def random_cache(key, layers, batch, slots, starts, tokens, dtype, poison=True):
@@ -115,17 +145,8 @@ def random_cache(key, layers, batch, slots, starts, tokens, dtype, poison=True):
     return k, v
 
 
-def check_correctness() -> list[dict]:
+def check_correctness(cases, kernels: KernelPolicy) -> list[dict]:
     """Kernel vs reference (fp32 reference at highest matmul precision) on varied shapes."""
-    cases = [
-        # batch, tokens, q_heads, kv_heads, slots, head_dim, dtype
-        (4, 1, 32, 8, 1000, 128, jnp.bfloat16),
-        (3, 5, 32, 8, 4096, 128, jnp.bfloat16),
-        (2, 16, 64, 8, 2048, 128, jnp.bfloat16),
-        (5, 3, 16, 16, 777, 64, jnp.float32),
-        (2, 9, 28, 4, 1500, 128, jnp.float32),
-        (1, 600, 32, 8, 1024, 128, jnp.bfloat16),   # prefill: row tiles
-    ]
     results = []
     key = jax.random.key(1)
     for batch, tokens, q_heads, kv_heads, slots, head_dim, dtype in cases:
@@ -140,7 +161,7 @@ def check_correctness() -> list[dict]:
         scale = head_dim ** -0.5
         try:
             out = jax.jit(lambda q, k, v, s: attention(q, k, v, jnp.int32(1), s, scale=scale,
-                                                       impl="triton"))(q, k, v, starts)
+                                                       kernels=kernels))(q, k, v, starts)
         except Exception as error:  # record and go on: the other cases still tell something
             log(f"check failed to run: {str(error)[:300]}")
             out = jnp.full(q.shape, jnp.nan, q.dtype)
@@ -180,23 +201,24 @@ def no_layer_copy(compiled_text: str, k) -> bool:
             and f"{dtype}[1,{layer_shape}]" not in compiled_text)
 
 
-def rotation_layers(batch: int, context: int) -> int:
+def rotation_layers(batch: int, context: int, scale: Scale) -> int:
     """Distinct cache layers to cycle through so that a timed pass is not served from L2."""
     layer_bytes = 2 * batch * KV_HEADS * context * HEAD_DIM * 2
-    return int(min(64, max(2, math.ceil(ROTATION_BYTES / layer_bytes))))
+    return int(min(64, max(2, math.ceil(scale.rotation_bytes / layer_bytes))))
 
 
-def time_case(batch, tokens, context, configs, with_scan: bool = True) -> dict:
+def time_case(batch, tokens, context, configs, scale: Scale, interpret: bool, with_scan: bool = True) -> dict:
     """Per-layer times of the kernel (each config) and the reference at one shape.
 
     Rotating through `layers` cache slabs: `us` is the device time per call from a profiler trace
     of back-to-back jitted calls (one per layer): every kernel of the call (the attention kernel, the
     split merge), `kernel_us` the attention kernel alone. Wall-clock figures beside it (back-to-back
     calls, and a jitted lax.scan over the layers, the model's form) include dispatch and loop costs;
-    sweeps (with_scan=False) rank variants by the device time alone.
+    sweeps (with_scan=False) rank variants by the device time alone (by calls_us off GPUs, where the trace
+    has none). interpret: the kernel in Pallas interpret mode.
     """
     dtype = jnp.bfloat16
-    layers = rotation_layers(batch, context)
+    layers = rotation_layers(batch, context, scale)
     start = jnp.full((batch,), context - tokens, jnp.int32)
     key = jax.random.key(batch * 100003 + tokens * 101 + context)
     q = jax.random.normal(key, (batch, tokens, HEADS, HEAD_DIM), dtype)
@@ -204,7 +226,7 @@ def time_case(batch, tokens, context, configs, with_scan: bool = True) -> dict:
                         poison=False)
     layer_ids = [jnp.int32(i) for i in range(layers)]
     read_bytes = 2 * batch * KV_HEADS * context * HEAD_DIM * jnp.dtype(dtype).itemsize
-    scale = HEAD_DIM ** -0.5
+    softmax_scale = HEAD_DIM ** -0.5
 
     def measure(fn, scan_too, wall_too=True):
         call = jax.jit(fn)
@@ -213,12 +235,12 @@ def time_case(batch, tokens, context, configs, with_scan: bool = True) -> dict:
             return [call(q, k, v, layer, start) for layer in layer_ids]
 
         timing = device_timing(calls, layers)
-        if wall_too:
-            timing["calls_us"] = median_seconds(lambda: jax.block_until_ready(calls())) / layers * 1e6
+        if wall_too or not timing:
+            timing["calls_us"] = median_seconds(lambda: jax.block_until_ready(calls()), scale.repeats) / layers * 1e6
         if scan_too:
             scan = layer_scan(fn)
             timing["scan_us"] = median_seconds(
-                lambda: scan(q, k, v, start).block_until_ready()) / layers * 1e6
+                lambda: scan(q, k, v, start).block_until_ready(), scale.repeats) / layers * 1e6
         timing["us"] = timing.get("device_us") or min(timing.values())
         timing["gbs"] = read_bytes / timing["us"] / 1e3
         timing["kernel_gbs"] = read_bytes / timing["kernel_us"] / 1e3 if "kernel_us" in timing else None
@@ -229,13 +251,14 @@ def time_case(batch, tokens, context, configs, with_scan: bool = True) -> dict:
     for index, config in enumerate(configs):
         try:
             timing = measure(lambda q, k, v, l, s, c=config: attention_triton(
-                q, k, v, l, s, scale=scale, config=c), scan_too=with_scan and index == 0, wall_too=with_scan)
+                q, k, v, l, s, scale=softmax_scale, config=c, interpret=interpret),
+                scan_too=with_scan and index == 0, wall_too=with_scan)
         except Exception as error:  # e.g. a variant needing more shared memory than the SM has
             log(f"  {config}: failed: {str(error)[:200]}")
             continue
         row["kernel"].append(dict(config=dataclasses.asdict(config), **timing))
     row["reference"] = measure(
-        lambda q, k, v, l, s: attention_reference(q, k, v, l, s, scale=scale), scan_too=with_scan,
+        lambda q, k, v, l, s: attention_reference(q, k, v, l, s, scale=softmax_scale), scan_too=with_scan,
         wall_too=with_scan)
     return row
 
@@ -254,9 +277,6 @@ def device_timing(calls, num_calls: int) -> dict:
                 kernels_per_call=len(kernels) / num_calls, main_kernel=main[:60])
 
 
-SWEEP_SHAPES = ((8, 1, 4096), (8, 4, 4096), (8, 1, 16384), (1, 1, 16384))
-
-
 def sweep_configs(batch, tokens, context) -> list[KernelConfig]:
     """Variants of block_k x pipeline stages x KV splits (x warps for many rows), then the default
     again: the spread between its two timings is the noise."""
@@ -271,15 +291,14 @@ def sweep_configs(batch, tokens, context) -> list[KernelConfig]:
     return [config for config in dict.fromkeys(variants) if config != base] + [base]
 
 
-def jax_flash_decoding(batch, context, k_splits) -> dict:
+def jax_flash_decoding(batch, context, k_splits, scale: Scale, interpret: bool) -> dict:
     """JAX's own Pallas flash decoding (T=1) on per-layer [B,Hkv,S,D] caches, its per-call
     K/V transpose left out (its kernel on our layout), for comparison."""
-    import functools
-
+    # An internal JAX API, imported here so that a JAX without it costs this comparison only.
     from jax.experimental.pallas.ops.gpu import decode_attention
 
     dtype = jnp.bfloat16
-    layers = rotation_layers(batch, context)
+    layers = rotation_layers(batch, context, scale)
     group = HEADS // KV_HEADS
     key = jax.random.key(7)
     q = jax.random.normal(key, (batch, KV_HEADS, group, HEAD_DIM), dtype)
@@ -287,7 +306,7 @@ def jax_flash_decoding(batch, context, k_splits) -> dict:
                                 dtype) for i in range(2 * layers)]
     inner = functools.partial(
         decode_attention.decode_attn_unbatched, sm_scale=HEAD_DIM ** -0.5, block_h=16,
-        block_k=128, k_splits=k_splits, num_warps=None, num_stages=2, grid=None, interpret=False,
+        block_k=128, k_splits=k_splits, num_warps=None, num_stages=2, grid=None, interpret=interpret,
         debug=False, return_residuals=False, normalize_output=True)
     per_head = jax.vmap(jax.vmap(inner, in_axes=(0, 0, 0, None, None)),
                         in_axes=(0, 0, 0, None, None))
@@ -299,8 +318,8 @@ def jax_flash_decoding(batch, context, k_splits) -> dict:
                 gbs=read_bytes / timing["device_us"] / 1e3 if timing else None)
 
 
-def compiled_program_report(batch=8, tokens=4, context=4096) -> dict:
-    """Check the optimized HLO of the scan: the triton call is there and no layer copy is."""
+def compiled_program_report(batch, tokens, context) -> dict:
+    """Check the optimized HLO of the scan: the triton call is there (on GPUs) and no layer copy is."""
     dtype = jnp.bfloat16
     start = jnp.full((batch,), context - tokens, jnp.int32)
     q = jnp.zeros((batch, tokens, HEADS, HEAD_DIM), dtype)
@@ -318,9 +337,7 @@ def compiled_program_report(batch=8, tokens=4, context=4096) -> dict:
             no_layer_copy=no_layer_copy(text, k),
             temp_bytes=getattr(memory, "temp_size_in_bytes", None))
         if name == "auto":
-            out_dir = os.environ.get("OUT", ".")
-            with open(os.path.join(out_dir, "bench_attention_hlo.txt"), "w") as f:
-                f.write(text)
+            (out_dir() / "bench_attention_hlo.txt").write_text(text)
     # A per-layer copy would need temp space of about one layer's K and V; the string
     # check above misses copies XLA gives another shape, the temp size does not.
     report["layer_kv_bytes"] = 2 * k.nbytes // k.shape[0]
@@ -378,7 +395,7 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return [tuple(int(n) for n in shape.split("x")) for shape in text.split(",")]
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time launch-parameter variants")
     parser.add_argument("--skip-jax", action="store_true", help="skip JAX's flash decoding")
@@ -388,34 +405,37 @@ def main() -> int:
                         help="BxTxCTX,... : the shapes of the table and the sweep (overrides --quick)")
     parser.add_argument("--ncu", action="store_true",
                         help="run a few configs once each, for Nsight Compute; no timing")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script (on CPU too)")
+    args = parser.parse_args(argv)
     if args.ncu:
         return run_once_for_ncu()
+    scale = SMOKE if args.smoke else Scale()
+    interpret = interpret_kernels()
     device = jax.devices()[0]
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=device.device_kind, jax=jax.__version__, command=" ".join(sys.argv),
-                choose_impl=choose_impl(device))
+                choose_impl=choose_attention(KernelPolicy(device=device), (1, 1, HEADS, HEAD_DIM),
+                                             (1, 1, KV_HEADS, CONTEXTS[0], HEAD_DIM)))
     log(meta)
     results = dict(meta=meta)
-    results["correctness"] = check_correctness()
-    results["compiled"] = compiled_program_report()
-    results["copy"] = copy_bandwidth()
+    results["correctness"] = check_correctness(scale.cases, KernelPolicy(impl="triton", interpret=interpret))
+    results["compiled"] = compiled_program_report(*scale.compiled_shape)
+    results["copy"] = copy_bandwidth(scale)
     ceiling = results["copy"]["ceiling_gbs"]
     log("copy bandwidth:", results["copy"])
     if not args.skip_jax:
         try:
-            results["jax_flash_decoding"] = [jax_flash_decoding(batch, context, splits)
-                                             for batch, context in ((8, 4096), (1, 16384))
-                                             for splits in (4, 8, 16)]
+            results["jax_flash_decoding"] = [jax_flash_decoding(batch, context, splits, scale, interpret)
+                                             for batch, context in scale.flash_cases
+                                             for splits in scale.flash_splits]
         except Exception as error:  # an internal JAX API: report, keep benchmarking
             results["jax_flash_decoding"] = repr(error)
         log("jax flash decoding (T=1):", results["jax_flash_decoding"])
-    shapes = args.shapes or (SWEEP_SHAPES if args.quick
-                             else [(b, t, c) for b in BATCHES for c in CONTEXTS for t in TOKENS])
+    shapes = args.shapes or (scale.key_shapes if args.quick else scale.table_shapes)
     results["timings"] = []
     for batch, tokens, context in shapes:
         config = default_config((batch, tokens, HEADS, HEAD_DIM), (1, batch, KV_HEADS, context, HEAD_DIM))
-        row = time_case(batch, tokens, context, [config])
+        row = time_case(batch, tokens, context, [config], scale, interpret)
         if row["kernel"]:
             results["timings"].append(row)
             log(f"B={batch} T={tokens} ctx={context}: kernel {row['kernel'][0]['gbs']:.0f} GB/s, "
@@ -423,15 +443,16 @@ def main() -> int:
         save(results)
     print_table(results["timings"], ceiling)
     if args.sweep:
-        results["sweep"] = [sweep_case(*shape) for shape in args.shapes or SWEEP_SHAPES]
+        results["sweep"] = [sweep_case(*shape, scale, interpret) for shape in args.shapes or scale.key_shapes]
         save(results)
     return 0 if all(c["ok"] for c in results["correctness"]) else 1
 
 
-def sweep_case(batch, tokens, context) -> dict:
+def sweep_case(batch, tokens, context, scale: Scale, interpret: bool) -> dict:
     """Time the sweep variants at one shape (after the table, so a variant that breaks
     the process cannot cost the table) and log them fastest first."""
-    row = time_case(batch, tokens, context, sweep_configs(batch, tokens, context), with_scan=False)
+    row = time_case(batch, tokens, context, sweep_configs(batch, tokens, context), scale, interpret,
+                    with_scan=False)
     log(f"sweep B={batch} T={tokens} ctx={context} (reference {row['reference']['gbs']:.0f} GB/s):")
     for entry in sorted(row["kernel"], key=lambda r: r["us"]):
         c = entry["config"]
@@ -443,8 +464,8 @@ def sweep_case(batch, tokens, context) -> dict:
 
 def save(results: dict) -> None:
     """Write the results so far (a later crash keeps them)."""
-    with open(os.path.join(os.environ.get("OUT", "."), "bench_attention.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    (out_dir() / "bench_attention.json").write_text(json.dumps(results, indent=1))
+
 
 if __name__ == "__main__":
     sys.exit(main())

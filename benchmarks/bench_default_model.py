@@ -3,9 +3,11 @@ shipped head) against transformers' generate / prompt lookup / assisted generati
 the same run and dtype.
 
     PYTHONPATH=. python benchmarks/bench_default_model.py [--max-tokens 128] [--batches 1,8] [--dtype float32]
+        [--smoke]
 
-Writes $OUT/bench_default_model.json (or ./). Greedy, so every engine must produce the same tokens; the
-table says whether each specjax run matched plain decoding.
+Writes $OUT/bench_default_model_<dtype>.json (or benchmarks/results). Greedy, so every engine must produce the
+same tokens; the table says whether each specjax run matched plain decoding. `--smoke`: one prompt, a few
+tokens, batch 1 (checks the script).
 """
 from __future__ import annotations
 
@@ -70,18 +72,22 @@ def time_transformers(model, prompts_ids, max_tokens, **kwargs):
     return tokens, time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="1 prompt, 8 tokens, batch 1: checks the script")
+    args = parser.parse_args(argv)
+    prompts = PROMPTS[:1] if args.smoke else PROMPTS
+    if args.smoke:
+        args.max_tokens, args.batches = 8, "1"
     torch_dtype = getattr(torch, args.dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model_dir = default_model_dir()
     draft_dir = truncated_draft(model_dir, 6)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    prompts_ids = [chat_ids(tokenizer, p) for p in PROMPTS]
+    prompts_ids = [chat_ids(tokenizer, p) for p in prompts]
     rows = []
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
     hf_draft = transformers.AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch_dtype).to(device).eval()

@@ -2,24 +2,27 @@
 n-gram speculation, greedy, on held-out GSM8K questions (the training run's held-out split).
 
     PYTHONPATH=. python benchmarks/bench_eagle.py [--head HEAD_DIR (default: the shipped head)] [--num 32]
-        [--max-tokens 256] [--batches 1,8] [--k 3]
+        [--max-tokens 256] [--batches 1,8] [--k 3] [--smoke]
 
 Prints a table (tokens/s, speedup over plain, acceptance length and per-position rates, same tokens as plain)
-and writes $OUT/bench_eagle.json (or ./).
+and writes $OUT/bench_eagle.json (or benchmarks/results). `--smoke`: two questions, a few tokens, batch 1 (checks
+the script).
 """
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from benchmarks.common import print_table, time_llm, write_json
 from specjax.default_model import default_eagle3_head_dir, default_model_dir
 from specjax.hub import load_tokenizer
 from specjax.training import data as data_lib
 
-GSM8K = "/work/shared/data/gsm8k_train.jsonl"
+# shared/ sits beside the checkout.
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_train.jsonl"
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--head", default=str(default_eagle3_head_dir()))
     parser.add_argument("--prompts", default=GSM8K)
@@ -28,7 +31,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--k", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="2 questions, 8 tokens, batch 1: checks the script")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.num, args.max_tokens, args.batches = 2, 8, "1"
     model_dir = default_model_dir()
     _, held = data_lib.split_heldout(data_lib.load_questions(args.prompts), args.num_heldout)
     prompt_ids = data_lib.chat_prompt_ids(load_tokenizer(str(model_dir)), held[:args.num])

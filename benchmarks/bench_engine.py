@@ -1,44 +1,91 @@
 """Decode/verify step time against the bandwidth roofline, and end-to-end generation with and without
 speculation (synthetic acceptance; a Llama-3.2-1B-shaped draft model, or an EAGLE-3-shaped head), for a
-Llama-3.1-8B-shaped model with random bf16 weights.
+Llama-3.1-8B-shaped model with random bf16 weights; and the plain generate loop per iteration, with what its
+compiled while body launches and copies (`loop`, the 8B or the default model's shape).
 
-    PYTHONPATH=. python benchmarks/bench_engine.py [--suites step,e2e,spec,sampled,eagle] [--impl auto|reference]
+    PYTHONPATH=. python benchmarks/bench_engine.py [--suites step,e2e,spec,sampled,eagle,loop]
+        [--impl auto|reference] [--xla-projections] [--loop-shape 8b|smollm2] [--trace] [--smoke]
 
-Writes $OUT/bench_engine_<suite>.json and prints a table per suite.
+Writes $OUT/bench_engine_<suite>_<impl>.json and prints a table per suite. `--smoke` runs every suite (unless
+--suites says otherwise) on tiny shapes, to check the script on a CPU.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import re
 import time
+from collections import Counter
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
-from benchmarks.common import (LLAMA31_8B, LLAMA32_1B, copy_bandwidth, kv_bytes_per_token, matmul_flops,
-                               median_time, print_table, weight_bytes, write_json)
-from specjax.engine.loop import LoopSpec, build_generate, loop_compiler_options
+from benchmarks.common import (LLAMA31_8B, LLAMA32_1B, SMOKE_DRAFT, SMOKE_TARGET, SMOLLM2_135M, copy_bandwidth,
+                               draft_proposer, graph_with, kv_bytes_per_token, matmul_flops, median_time, out_dir,
+                               print_table, random_model, weight_bytes, write_json)
+from benchmarks.device_trace import busy_ns, by_kernel, span_ns, traced_kernels
+from specjax.config import SpeculativeConfig
+from specjax.engine.loop import LoopSpec, jit_generate
 from specjax.engine.proposers.base import NoProposer
-from specjax.engine.proposers.draft_model import DraftModelProposer
-from specjax.engine.proposers.eagle import EagleProposer
-from specjax.engine.state import RowParams
-from specjax.models.kv_cache import init_cache
+from specjax.engine.proposers.eagle import HeadProposer
+from specjax.engine.rows import greedy_rows, row_params
+from specjax.engine.shapes import buffer_len
+from specjax.kernels.policy import KernelPolicy
 from specjax.models.eagle import default_aux_layer_ids
-from specjax.models.registry import random_model
-from specjax.parallel import MODEL_AXIS, Layout, gather_vocab, sharded_generate, shards_kv_heads, traced_with
+from specjax.models.llama import LlamaConfig
+from specjax.parallel.mesh import MODEL_AXIS, Layout, gather_vocab, traced_with
+from specjax.sampling_params import SamplingParams
 from specjax.training.trainer import new_head
 
-
-def model_state(cfg, impl, seed=0):
-    return nnx.split(random_model(cfg, dtype=jnp.bfloat16, seed=seed, attention_impl=impl))
-
-
+SUITES = ("step", "e2e", "spec", "sampled", "eagle", "loop")
+MAX_MODEL_LEN = 8192
 # Step timings dispatch this many steps back to back and block once: the host runs ahead of the device, so
 # a step's figure is its device time (what the ideal of a loop that hid all host work would pay).
 STEPS_PER_TIMING = 8
+# The loop suite's model shapes and prompt lengths.
+LOOP_SHAPES = {"8b": (LLAMA31_8B, 1024), "smollm2": (SMOLLM2_135M, 128)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The shapes the suites run: the standard ones, or --smoke's tiny ones."""
+    prompt_len: int = 128            # e2e, spec, sampled and eagle prompts
+    new_tokens: int = 256
+    context: int = 1024              # the step suite's context
+    step_batches: tuple[int, ...] = (1, 8)
+    step_tokens: tuple[int, ...] = (1, 4, 8)
+    loop_new_tokens: int = 128
+    draft_vocab: int = 32000         # the EAGLE-3-shaped head's draft vocabulary
+
+
+# One batch, k=3 and contexts that recur across suites, so that suites share compiled programs.
+SMOKE_SIZES = Sizes(prompt_len=16, new_tokens=8, context=20, step_batches=(1,), step_tokens=(1, 4),
+                    loop_new_tokens=8, draft_vocab=256)
+
+
+@dataclasses.dataclass(frozen=True)
+class Subject:
+    """The target under test, its one-pass step and its plain generate loop jitted once: each compiled program
+    serves every suite that runs its shapes."""
+    cfg: LlamaConfig
+    graph: nnx.GraphDef
+    state: Any
+    step: Callable
+    plain: Callable
+    mesh: Mesh | None   # tensor-parallel over its "model" axis when given (the state placed on it)
+
+
+def subject(cfg, graph, state, mesh=None) -> Subject:
+    return Subject(cfg, graph, state, step_fn(graph, mesh), generate_fn(graph, NoProposer(), mesh), mesh)
+
+
+def random_subject(cfg, kernels) -> Subject:
+    return subject(cfg, *nnx.split(random_model(cfg, kernels)))
 
 
 def step_fn(graph, mesh=None):
@@ -54,44 +101,34 @@ def step_fn(graph, mesh=None):
     return step
 
 
-def step_suite(cfg, graph, state, bandwidth, context=1024):
+def step_suite(target: Subject, bandwidth, sizes: Sizes):
     rows = []
-    step = step_fn(graph)
-    for B in (1, 8):
-        for T in (1, 4, 8):
-            t = step_time(step, cfg, state, B, T, context)
-            floor = (weight_bytes(cfg) + B * (context + T) * kv_bytes_per_token(cfg)) / bandwidth
+    context = sizes.context
+    for B in sizes.step_batches:
+        for T in sizes.step_tokens:
+            t = step_time(target, B, T, context)
+            floor = (weight_bytes(target.cfg) + B * (context + T) * kv_bytes_per_token(target.cfg)) / bandwidth
             rows.append(dict(batch=B, T=T, context=context, ms=1e3 * t, floor_ms=1e3 * floor,
                              roofline_frac=floor / t))
     return rows
 
 
-def rows_params(B, max_tokens, seed=0, temperature=0.0, top_p=1.0):
-    return RowParams(temperature=jnp.full((B,), temperature, jnp.float32), top_k=jnp.zeros((B,), jnp.int32),
-                     top_p=jnp.full((B,), top_p, jnp.float32), min_p=jnp.zeros((B,), jnp.float32),
-                     seed=jnp.arange(B, dtype=jnp.uint32) + seed, max_tokens=jnp.full((B,), max_tokens, jnp.int32),
-                     min_tokens=jnp.zeros((B,), jnp.int32), stop_ids=jnp.full((B, 1), -1, jnp.int32))
-
-
 def generate_fn(graph, proposer, mesh=None, compiler_options=None, greedy=True):
-    """The jitted generate loop; under `mesh`, sharded as the LLM facade runs it. compiler_options: the
-    engine's (loop_compiler_options) unless given. greedy=False: the sampling loop (distributions, draws)."""
-    generate = build_generate(graph, proposer, LoopSpec(k=proposer.k, n_top=0, max_model_len=8192, greedy=greedy))
-    options = loop_compiler_options() if compiler_options is None else compiler_options
-    return jax.jit(generate if mesh is None else sharded_generate(generate, mesh), static_argnums=5,
-                   compiler_options=options)
+    """The jitted generate loop as the engine runs it (sharded over `mesh` when given); compiler_options: the
+    engine's unless given. greedy=False: the sampling loop (distributions, draws)."""
+    spec = LoopSpec(k=proposer.k, n_top=0, max_model_len=MAX_MODEL_LEN, greedy=greedy)
+    return jit_generate(graph, proposer, spec, mesh=mesh, compiler_options=compiler_options)
 
 
-def run_generate(graph, state, proposer, draft_state, B, prompt_len, new_tokens, rates=None, gen=None,
-                 sampling=None):
+def run_generate(graph, state, proposer, draft_state, B, prompt_len, new_tokens, rates=None, gen=None, rows=None):
     """(compile+first-call seconds, steady seconds, steps) for one wave of B prompts. Pass `gen` (from
     generate_fn) to reuse one compilation across calls of the same shapes (rates are a traced argument).
-    sampling: rows_params keywords (temperature, top_p) for a sampling loop; greedy rows otherwise."""
+    rows: the wave's RowParams (B rows of new_tokens each, no stop ids); greedy rows when None."""
     gen = gen or generate_fn(graph, proposer)
     prompts = jax.random.randint(jax.random.key(1), (B, prompt_len), 0, 500, jnp.int32)
     lengths = jnp.full((B,), prompt_len, jnp.int32)
-    rows = rows_params(B, new_tokens, **(sampling or {}))
-    cache_len = prompt_len + new_tokens + proposer.k + 1
+    rows = greedy_rows(B, [new_tokens] * B, eos_token_ids=()) if rows is None else rows
+    cache_len = buffer_len(prompt_len, prompt_len, new_tokens, proposer.k, MAX_MODEL_LEN)
     rates = None if rates is None else jnp.asarray(rates, jnp.float32)
     start = time.perf_counter()
     out = jax.block_until_ready(gen(state, draft_state, prompts, lengths, rows, cache_len, rates))
@@ -102,12 +139,16 @@ def run_generate(graph, state, proposer, draft_state, B, prompt_len, new_tokens,
     return first, steady, int(out.steps)
 
 
-def e2e_suite(graph, state, batches=(1, 8, 32), new_tokens=256, prompt_len=128):
+def run_plain(target: Subject, B, prompt_len, new_tokens):
+    return run_generate(target.graph, target.state, NoProposer(), None, B, prompt_len, new_tokens, gen=target.plain)
+
+
+def e2e_suite(target: Subject, batches, sizes: Sizes):
     rows = []
     for B in batches:
-        first, steady, steps = run_generate(graph, state, NoProposer(), None, B, prompt_len, new_tokens)
-        ttft = run_generate(graph, state, NoProposer(), None, B, prompt_len, 1)[1]
-        rows.append(dict(batch=B, new_tokens=new_tokens, tok_s=B * new_tokens / steady,
+        first, steady, steps = run_plain(target, B, sizes.prompt_len, sizes.new_tokens)
+        ttft = run_plain(target, B, sizes.prompt_len, 1)[1]
+        rows.append(dict(batch=B, new_tokens=sizes.new_tokens, tok_s=B * sizes.new_tokens / steady,
                          ms_per_step=1e3 * (steady - ttft) / max(steps, 1), ttft_ms=1e3 * ttft,
                          compile_s=first - steady))
     return rows
@@ -115,85 +156,87 @@ def e2e_suite(graph, state, batches=(1, 8, 32), new_tokens=256, prompt_len=128):
 
 def conditional_rates(al, k):
     """vLLM's synthetic_acceptance_length -> conditional per-position rates (see SpeculativeConfig)."""
-    from specjax.config import SpeculativeConfig
     spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": k,
                                         "rejection_sample_method": "synthetic",
                                         "synthetic_acceptance_length": al},
-                                       target_max_model_len=8192, target_tensor_parallel_size=1)
+                                       target_max_model_len=MAX_MODEL_LEN, target_tensor_parallel_size=1)
     return spec.synthetic_rates()
 
 
-def spec_suite(cfg, dcfg, graph, state, dgraph, dstate, batches=(1, 8), ks=(3, 5), new_tokens=256,
-               prompt_len=128):
+def spec_suite(target: Subject, draft, batches, ks, sizes: Sizes):
     rows = []
-    tstep, dstep = step_fn(graph), step_fn(dgraph)
-    context = prompt_len + new_tokens // 2
+    dgraph, dstate = nnx.split(draft)
+    draft_subject = subject(draft.cfg, dgraph, dstate)
+    context = sizes.prompt_len + sizes.new_tokens // 2
     for B in batches:
-        plain = run_generate(graph, state, NoProposer(), None, B, prompt_len, new_tokens)[1]
+        plain = run_plain(target, B, sizes.prompt_len, sizes.new_tokens)[1]
         for k in ks:
-            t_verify = step_time(tstep, cfg, state, B, k + 1, context)
-            t_draft = step_time(dstep, dcfg, dstate, B, 1, context)
-            rows += acceptance_sweep(graph, state, DraftModelProposer(dgraph, k, probabilistic=False), dstate, B,
-                                     plain, t_verify, t_draft, new_tokens, prompt_len)
+            t_verify = step_time(target, B, k + 1, context)
+            t_draft = step_time(draft_subject, B, 1, context)
+            rows += acceptance_sweep(target, draft_proposer(draft, k), dstate, B, plain, t_verify, t_draft, sizes)
     return rows
 
 
 # Top-p sampling rows (vLLM-style settings) for the sampled suite.
-SAMPLED = dict(temperature=0.8, top_p=0.9)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9)
 
 
-def sampled_suite(graph, state, dgraph, dstate, batches=(8,), k=4, al=2.5, new_tokens=256, prompt_len=128):
+def sampled_suite(target: Subject, kernels, draft, batches, sizes: Sizes, k=4, al=2.5):
     """The speculative loop (draft model, synthetic acceptance) with top-p 0.9 rows: its verify steps filter
     B x (k+1) rows. Once with top-k/top-p by the dispatcher (the radix search from batch 2 of a 128k
-    vocabulary), once by the sort (the dispatcher's threshold raised past any batch)."""
-    from specjax.kernels import top_k_top_p
-    rows, default = [], top_k_top_p.MIN_SEARCH_ELEMENTS
+    vocabulary), once by the sort (the dispatcher's threshold raised past any batch). Where the kernels do not
+    run the dispatcher sorts too, so only the sort is timed."""
+    dstate = nnx.state(draft)
+    filters = {"search": kernels, "sort": dataclasses.replace(kernels, search_min_elements=1 << 62)}
+    if kernels.mode() == "reference":
+        print("sampled: no radix search here (it needs the Pallas kernels: NVIDIA sm_80+); the sort only", flush=True)
+        del filters["search"]
+    rows = []
     for B in batches:
-        for filt, threshold in (("search", default), ("sort", 1 << 62)):
-            top_k_top_p.MIN_SEARCH_ELEMENTS = threshold
-            proposer = DraftModelProposer(dgraph, k, probabilistic=False)
+        wave = row_params([SAMPLED] * B, vocab_size=target.cfg.vocab_size, max_tokens=[sizes.new_tokens] * B,
+                          eos_token_ids=())
+        for filt, policy in filters.items():
+            graph, proposer = graph_with(target.cfg, policy), draft_proposer(draft, k)
             gen = generate_fn(graph, proposer, greedy=False)
-            first, t, steps = run_generate(graph, state, proposer, dstate, B, prompt_len, new_tokens,
-                                           conditional_rates(al, k), gen, sampling=SAMPLED)
-            rows.append(dict(batch=B, k=k, al=al, filter=filt, tok_s=B * new_tokens / t,
+            first, t, steps = run_generate(graph, target.state, proposer, dstate, B, sizes.prompt_len,
+                                           sizes.new_tokens, conditional_rates(al, k), gen, rows=wave)
+            rows.append(dict(batch=B, k=k, al=al, filter=filt, tok_s=B * sizes.new_tokens / t,
                              ms_per_step=1e3 * t / max(steps, 1), steps=steps, compile_s=first - t))
             print(rows[-1], flush=True)
-    top_k_top_p.MIN_SEARCH_ELEMENTS = default
     return rows
 
 
-def eagle_suite(cfg, graph, state, batches=(1, 8), ks=(3, 5), new_tokens=256, prompt_len=128,
-                draft_vocab=32000):
+def eagle_suite(target: Subject, batches, ks, sizes: Sizes):
     """The loop with an EAGLE-3 head shaped for the target (one decoder layer, fc over three captured
-    layers, a draft vocabulary of draft_vocab target ids, the target's embedding shared), random weights,
-    synthetic acceptance: draft step time against a target step, and tokens/s against the ideal."""
-    head = new_head(cfg, state, np.arange(draft_vocab), default_aux_layer_ids(cfg.num_layers))
+    layers, a draft vocabulary of sizes.draft_vocab target ids, the target's embedding shared), random
+    weights, synthetic acceptance: draft step time against a target step, and tokens/s against the ideal."""
+    cfg = target.cfg
+    head = new_head(cfg, target.state, np.arange(sizes.draft_vocab), default_aux_layer_ids(cfg.num_layers))
     hgraph, hstate = nnx.split(head)
-    tstep = step_fn(graph)
-    context = prompt_len + new_tokens // 2
+    context = sizes.prompt_len + sizes.new_tokens // 2
     rows = []
     for B in batches:
-        plain = run_generate(graph, state, NoProposer(), None, B, prompt_len, new_tokens)[1]
-        t_target = step_time(tstep, cfg, state, B, 1, context)
+        plain = run_plain(target, B, sizes.prompt_len, sizes.new_tokens)[1]
+        t_target = step_time(target, B, 1, context)
         t_draft = head_step_time(hgraph, hstate, head, B, context)
         for k in ks:
-            t_verify = step_time(tstep, cfg, state, B, k + 1, context)
-            rows += acceptance_sweep(graph, state, EagleProposer(hgraph, head, k, probabilistic=False), hstate, B,
-                                     plain, t_verify, t_draft, new_tokens, prompt_len, target_ms=1e3 * t_target,
+            t_verify = step_time(target, B, k + 1, context)
+            rows += acceptance_sweep(target, HeadProposer(hgraph, head, k, probabilistic=False), hstate, B, plain,
+                                     t_verify, t_draft, sizes, target_ms=1e3 * t_target,
                                      draft_frac_of_target=t_draft / t_target)
     return rows
 
 
-def acceptance_sweep(graph, state, proposer, draft_state, B, plain, t_verify, t_draft, new_tokens, prompt_len,
+def acceptance_sweep(target: Subject, proposer, draft_state, B, plain, t_verify, t_draft, sizes: Sizes,
                      **extra) -> list[dict]:
     """One compiled speculative loop run at synthetic acceptance lengths 1.5 / 2.5 / 3.5: tokens/s against
     plain decoding (`plain` seconds) and against the ideal B x AL / (t_verify + k t_draft). Rows printed as
     they come; `extra` is added to each."""
-    k, rows = proposer.k, []
-    gen = generate_fn(graph, proposer)
+    k, rows, new_tokens = proposer.k, [], sizes.new_tokens
+    gen = generate_fn(target.graph, proposer)
     for al in (1.5, 2.5, 3.5):
-        _, t, steps = run_generate(graph, state, proposer, draft_state, B, prompt_len, new_tokens,
-                                   conditional_rates(al, k), gen)
+        _, t, steps = run_generate(target.graph, target.state, proposer, draft_state, B, sizes.prompt_len,
+                                   new_tokens, conditional_rates(al, k), gen)
         measured_al = (new_tokens - 1) / max(steps, 1)
         ideal = B * measured_al / (t_verify + k * t_draft)
         rows.append(dict(batch=B, k=k, al=al, measured_al=measured_al, tok_s=B * new_tokens / t,
@@ -212,7 +255,7 @@ def head_step_time(hgraph, hstate, head, B, context):
         out, feed, cache = h(token[:, None], hidden[:, None], start, cache)
         return h.to_target_ids(jnp.argmax(h.logits(out[:, 0]), axis=-1)), feed, cache
 
-    holder = [init_cache(head.cfg.layers, B, context + 16, jnp.bfloat16)]
+    holder = [head.init_cache(B, context + 16)]
     token, start = jnp.ones((B,), jnp.int32), jnp.full((B,), context, jnp.int32)
     hidden = jnp.zeros((B, head.cfg.hidden_size), jnp.bfloat16)
 
@@ -223,64 +266,148 @@ def head_step_time(hgraph, hstate, head, B, context):
     return median_time(run, repeats=10) / STEPS_PER_TIMING
 
 
-def step_time(step, cfg, state, B, T, context, mesh=None):
-    cache = init_cache(cfg, B, context + 16, jnp.bfloat16)
-    if mesh is not None:
-        heads = MODEL_AXIS if shards_kv_heads(cfg.num_kv_heads, mesh.shape[MODEL_AXIS]) else None
-        cache = jax.device_put(cache, NamedSharding(mesh, P(None, None, heads)))
-    holder = [cache]
+def empty_cache(model: Subject, B, slots):
+    """The model's empty cache for B rows of `slots`, under a mesh laid out as the sharded loop carries it."""
+    cache = nnx.merge(model.graph, model.state).init_cache(B, slots)
+    if model.mesh is None:
+        return cache
+    specs = cache.specs(Layout(model.mesh, head_axis=MODEL_AXIS))
+    return jax.tree.map(lambda leaf, spec: jax.device_put(leaf, NamedSharding(model.mesh, spec)), cache, specs)
+
+
+def step_time(model: Subject, B, T, context):
+    """Seconds of one pass of model.step over T tokens per row at `context`."""
+    holder = [empty_cache(model, B, context + 16)]
     tokens, start = jnp.ones((B, T), jnp.int32), jnp.full((B,), context, jnp.int32)
 
     def run():
         for _ in range(STEPS_PER_TIMING):
-            logits, holder[0] = step(state, holder[0], tokens, start)
+            logits, holder[0] = model.step(model.state, holder[0], tokens, start)
         return logits
     return median_time(run, repeats=10) / STEPS_PER_TIMING
 
 
-def smoke_configs():
-    import dataclasses
-    small = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                 num_kv_heads=2, head_dim=16)
-    return dataclasses.replace(LLAMA31_8B, **small), dataclasses.replace(LLAMA32_1B, **{**small, "num_layers": 1})
+def loop_suite(target: Subject, bandwidth, context, new_tokens, trace=False) -> list[dict]:
+    """Plain decoding in the generate loop, batch 1, a `context`-token prompt: time per loop iteration
+    ((t(new_tokens) - t(1)) / (new_tokens - 1), one compiled program) against the roofline floor, the
+    kernels the compiled while body launches per iteration (the CUDA graph's nodes, whose launch cost grows
+    with them) and the weight-shaped buffers it materialises (a layer's weight sliced out of a stacked array
+    and copied shows up as one). The program goes to $OUT. trace: the device's time per iteration by
+    kernel, from the loop compiled with one CUDA graph per body (the profiler sees no kernel inside a loop
+    that is one graph whole)."""
+    cfg = target.cfg
+    floor = (weight_bytes(cfg) + context * kv_bytes_per_token(cfg)) / bandwidth
+    prompts, lengths = jnp.ones((1, context), jnp.int32), jnp.full((1,), context, jnp.int32)
+    cache_len = buffer_len(context, context, new_tokens, 0, MAX_MODEL_LEN)
+
+    calls = {n: (target.state, None, prompts, lengths, greedy_rows(1, [n], eos_token_ids=()), cache_len)
+             for n in (1, new_tokens)}
+    gen = target.plain
+    times = {n: median_time(lambda args=args: gen(*args), repeats=3, warmup=1) for n, args in calls.items()}
+    per_iteration = (times[new_tokens] - times[1]) / (new_tokens - 1)
+    hlo = gen.lower(*calls[new_tokens]).compile().as_text()
+    (out_dir() / "bench_engine_loop_hlo.txt").write_text(hlo)
+    row = dict(model=f"{cfg.num_layers}L-{cfg.hidden_size}", batch=1, context=context, new_tokens=new_tokens,
+               ms_per_iteration=1e3 * per_iteration, floor_ms=1e3 * floor, roofline_frac=floor / per_iteration,
+               kernels_per_iteration=kernels_per_iteration(hlo),
+               weight_shaped=dict(materialised_weights(hlo, weight_shapes(cfg))))
+    if trace:
+        row.update(profile_loop(generate_fn(target.graph, NoProposer(), compiler_options={}), calls[new_tokens],
+                                new_tokens))
+    return [row]
 
 
-def main() -> None:
+def weight_shapes(cfg) -> set[str]:
+    H, I, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {f"bf16[{a},{b}]" for a, b in [(H, q + 2 * kv), (q, H), (H, 2 * I), (I, H)]}
+
+
+def materialised_weights(hlo: str, shapes: set[str]) -> Counter:
+    """Instructions (not parameters or tuple plumbing) whose result has a per-layer weight shape (a slice of
+    a stacked leaf keeps its unit layer axis: bf16[1,4096,4096])."""
+    found = Counter()
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?[\w.-]+ = bf16\[(?:1,)?(\d+,\d+)\]\S* (\w[\w-]*)", line)
+        shape = m and f"bf16[{m.group(1)}]"
+        if shape in shapes and m.group(2) not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
+            found[f"{m.group(2)} {shape}"] += 1
+    return found
+
+
+def kernels_per_iteration(hlo: str) -> int:
+    """Kernel-launching instructions (fusions, custom calls, copies) in the generate loop's while body."""
+    body = re.findall(r"while\(.*body=%([\w.-]+)", hlo)[-1]
+    text = hlo[hlo.index(f"%{body} ("):]
+    text = text[:text.index("\n}\n")]
+    return len(re.findall(r" = \S+ (?:fusion|custom-call|copy)\(", text))
+
+
+def profile_loop(gen, args, iterations: int) -> dict:
+    """Where an iteration's device time goes: kernels, busy time, the costliest kinds (printed, and written to
+    $OUT with the trace itself)."""
+    kernels = traced_kernels(lambda: gen(*args), keep_trace=out_dir() / "bench_engine_loop_trace.xplane.pb")
+    costliest = by_kernel(kernels, per=iterations)
+    print(f"profile: device time per iteration by kernel ({len(kernels) / iterations:.1f} kernels):", flush=True)
+    print_table(costliest)
+    write_json("bench_engine_loop_profile", costliest)
+    return dict(device_kernels_per_iteration=len(kernels) / iterations,
+                busy_us_per_iteration=busy_ns(kernels) / iterations / 1e3,
+                span_us_per_iteration=span_ns(kernels) / iterations / 1e3)
+
+
+def parse_args(argv):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--suites", default="step,e2e,spec")
+    parser.add_argument("--suites", help=f"comma-separated, of {', '.join(SUITES)} (default step,e2e,spec)")
     parser.add_argument("--impl", default="auto")
-    parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--ks", default="3,5")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on CPU")
-    args = parser.parse_args()
-    target_cfg, draft_cfg = (smoke_configs() if args.smoke else (LLAMA31_8B, LLAMA32_1B))
-    suites = args.suites.split(",")
-    batches = tuple(int(b) for b in args.batches.split(","))
-    ks = tuple(int(k) for k in args.ks.split(","))
+    parser.add_argument("--xla-projections", action="store_true",
+                        help="the projection kernel off (XLA's projections), the other kernels as --impl says")
+    parser.add_argument("--batches", help="default 1,8,32 (spec, sampled and eagle take those up to 8)")
+    parser.add_argument("--ks", help="default 3,5")
+    parser.add_argument("--loop-shape", default="8b", choices=LOOP_SHAPES, help="the loop suite's model shape")
+    parser.add_argument("--trace", action="store_true", help="profile the loop suite's loop")
+    parser.add_argument("--smoke", action="store_true", help="every suite on tiny shapes, to check the script on CPU")
+    args = parser.parse_args(argv)
+    args.suites = (args.suites or (",".join(SUITES) if args.smoke else "step,e2e,spec")).split(",")
+    args.batches = tuple(int(b) for b in (args.batches or ("1" if args.smoke else "1,8,32")).split(","))
+    args.ks = tuple(int(k) for k in (args.ks or ("3" if args.smoke else "3,5")).split(","))
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    target_cfg, draft_cfg = (SMOKE_TARGET, SMOKE_DRAFT) if args.smoke else (LLAMA31_8B, LLAMA32_1B)
+    sizes = SMOKE_SIZES if args.smoke else Sizes()
+    suites, batches, ks = args.suites, args.batches, args.ks
+    small_batches = tuple(b for b in batches if b <= 8)
+    kernels = KernelPolicy(impl=args.impl)
+    if args.xla_projections:
+        kernels = dataclasses.replace(kernels, projection_max_weight_bytes=0)
+    impl = args.impl + ("-xla-projections" if args.xla_projections else "")
     bandwidth, flops = (copy_bandwidth(1 << 26), matmul_flops(512)) if args.smoke else (copy_bandwidth(), matmul_flops())
     print(f"device {jax.devices()[0]}: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
-    graph, state = model_state(target_cfg, args.impl)
+    target = random_subject(target_cfg, kernels)
+    draft = random_model(draft_cfg, kernels, seed=1) if {"spec", "sampled"} & set(suites) else None
     results = {}
     if "step" in suites:
-        results["step"] = step_suite(target_cfg, graph, state, bandwidth)
+        results["step"] = step_suite(target, bandwidth, sizes)
     if "e2e" in suites:
-        results["e2e"] = e2e_suite(graph, state, batches)
+        results["e2e"] = e2e_suite(target, batches, sizes)
     if "spec" in suites:
-        dgraph, dstate = model_state(draft_cfg, args.impl, seed=1)
-        results["spec"] = spec_suite(target_cfg, draft_cfg, graph, state, dgraph, dstate,
-                                     tuple(b for b in batches if b <= 8), ks)
+        results["spec"] = spec_suite(target, draft, small_batches, ks, sizes)
     if "sampled" in suites:
-        dgraph, dstate = model_state(draft_cfg, args.impl, seed=1)
-        results["sampled"] = sampled_suite(graph, state, dgraph, dstate, tuple(b for b in batches if b <= 8))
+        results["sampled"] = sampled_suite(target, kernels, draft, small_batches, sizes)
     if "eagle" in suites:
-        results["eagle"] = eagle_suite(target_cfg, graph, state, tuple(b for b in batches if b <= 8), ks,
-                                       draft_vocab=256 if args.smoke else 32000)
+        results["eagle"] = eagle_suite(target, small_batches, ks, sizes)
+    if "loop" in suites:
+        loop_cfg, context = (target_cfg, sizes.prompt_len) if args.smoke else LOOP_SHAPES[args.loop_shape]
+        loop_target = target if loop_cfg == target_cfg else random_subject(loop_cfg, kernels)
+        results["loop"] = loop_suite(loop_target, bandwidth, context, sizes.loop_new_tokens, args.trace)
     for name, rows in results.items():
         for r in rows:
-            r.update(impl=args.impl, copy_TBps=bandwidth / 1e12)
-        print(f"\n== {name} ({args.impl})", flush=True)
+            r.update(impl=impl, copy_TBps=bandwidth / 1e12)
+        print(f"\n== {name} ({impl})", flush=True)
         print_table(rows)
-        write_json(f"bench_engine_{name}_{args.impl}", rows)
+        write_json(f"bench_engine_{name}_{impl}", rows)
 
 
 if __name__ == "__main__":

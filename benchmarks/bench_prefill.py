@@ -1,6 +1,6 @@
 """Prefill attention on a GPU: the Pallas kernel (against the KV cache) vs cuDNN and XLA (fresh K/V).
 
-Run in one device call:  PYTHONPATH=. python benchmarks/bench_prefill.py
+Run in one device call:  PYTHONPATH=. python benchmarks/bench_prefill.py [--model] [--smoke]
 A prompt prefilled from position 0 attends only to itself, so it can run as causal self-attention
 over the freshly projected K/V [B, T, Hkv, D] (cuDNN's flash attention through
 `jax.nn.dot_product_attention`) instead of reading them back from the head-major cache
@@ -10,7 +10,10 @@ device time per call from a profiler trace, achieved TFLOP/s (causal: half the T
 the error of each against the fp32 reference.
 `--model` instead times whole random-weight prefills (bf16, batch 1) of the SmolLM2-135M and
 Llama-3.1-8B shapes through the model, with fresh=False (the cache path) and fresh=True (what the engine
-runs: cuDNN from PREFILL_CUDNN_MIN_TOKENS on), and checks the two agree (bench_prefill_model.json).
+runs: cuDNN from the kernel policy's prefill_fused_min_tokens on), and checks the two agree
+(bench_prefill_model.json).
+`--smoke` runs both on tiny shapes, to check the script: off GPUs our kernel in interpret mode, cuDNN skipped
+and no device time (NaN).
 """
 from __future__ import annotations
 
@@ -20,28 +23,31 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.common import (LLAMA31_8B, SMOLLM2_135M, device_name, median_time, print_table,
-                               relative_error, write_json)
+from benchmarks.common import (LLAMA31_8B, SMOKE_TARGET, SMOLLM2_135M, device_name, interpret_kernels, median_time,
+                               on_gpu, print_table, random_model, relative_error, write_json)
 from benchmarks.device_trace import device_us_per_call
 from specjax.kernels.attention import attention
 from specjax.kernels.attention_reference import attention_reference
-from specjax.models.kv_cache import init_cache
-from specjax.models.registry import random_model
+from specjax.kernels.policy import KernelPolicy
 
 SHAPES = {"8b": (32, 8, 128), "smollm2": (9, 3, 64)}
 TOKENS = (128, 512, 1024, 2048, 4096)
 BATCHES = (1, 4)
 MODEL_CASES = ((SMOLLM2_135M, (1024, 2048, 4096, 8192)), (LLAMA31_8B, (2048, 4096)))
+SMOKE_TOKENS, SMOKE_MODEL_CASES = (16,), ((SMOKE_TARGET, (16, 32)),)
 
 
-def implementations(scale: float) -> dict:
-    """name -> fn(q [B,T,Hq,D], k, v [B,T,Hkv,D], k_cache, v_cache [1,B,Hkv,S,D]) for one prefill."""
-    start = lambda q: jnp.zeros((q.shape[0],), jnp.int32)
+def implementations(scale: float, kernels: KernelPolicy) -> dict:
+    """name -> fn(q [B,T,Hq,D], k, v [B,T,Hkv,D], k_cache, v_cache [1,B,Hkv,S,D]) for one prefill; None for
+    cuDNN off NVIDIA GPUs. kernels: how our kernel runs."""
+    def start(q):
+        return jnp.zeros((q.shape[0],), jnp.int32)
+
     return {
-        "kernel": lambda q, k, v, kc, vc: attention(q, kc, vc, 0, start(q), scale=scale, impl="triton"),
+        "kernel": lambda q, k, v, kc, vc: attention(q, kc, vc, 0, start(q), scale=scale, kernels=kernels),
         "reference": lambda q, k, v, kc, vc: attention_reference(q, kc, vc, 0, start(q), scale=scale),
-        "cudnn": lambda q, k, v, kc, vc: jax.nn.dot_product_attention(
-            q, k, v, scale=scale, is_causal=True, implementation="cudnn"),
+        "cudnn": (lambda q, k, v, kc, vc: jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=True, implementation="cudnn")) if on_gpu() else None,
         "xla": lambda q, k, v, kc, vc: jax.nn.dot_product_attention(
             q, k, v, scale=scale, is_causal=True, implementation="xla"),
     }
@@ -54,11 +60,13 @@ def inputs(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int):
     v = jax.random.normal(keys[2], (batch, tokens, kv_heads, head_dim), jnp.bfloat16)
     slots = tokens + 256   # the cache holds the generation budget too
     pad = ((0, 0), (0, 0), (0, slots - tokens), (0, 0))
-    cache = lambda x: jnp.pad(x.swapaxes(1, 2), pad)[None]
+    def cache(x):
+        return jnp.pad(x.swapaxes(1, 2), pad)[None]
+
     return q, k, v, cache(k), cache(v)
 
 
-def case(shape: str, batch: int, tokens: int) -> dict:
+def case(shape: str, batch: int, tokens: int, kernels: KernelPolicy) -> dict:
     heads, kv_heads, head_dim = SHAPES[shape]
     scale = head_dim ** -0.5
     args = inputs(batch, tokens, heads, kv_heads, head_dim)
@@ -68,7 +76,10 @@ def case(shape: str, batch: int, tokens: int) -> dict:
             jnp.zeros((batch,), jnp.int32), scale=scale))(args[0], args[3], args[4])
     flops = 4 * batch * heads * head_dim * tokens * (tokens + 1) / 2
     row = dict(shape=shape, batch=batch, tokens=tokens)
-    for name, fn in implementations(scale).items():
+    for name, fn in implementations(scale, kernels).items():
+        if fn is None:
+            row[f"{name}_us"] = row[f"{name}_tflops"] = row[f"{name}_err"] = None
+            continue
         try:
             out = jax.jit(fn)(*args).astype(jnp.float32)
             us = device_us_per_call(fn, *args)
@@ -86,12 +97,13 @@ def case(shape: str, batch: int, tokens: int) -> dict:
 
 def model_prefill(cfg, token_counts) -> list[dict]:
     """Whole-model prefill time, cache path vs fresh path, and how far their hidden states differ."""
-    graph, state = nnx.split(random_model(cfg, dtype=jnp.bfloat16))
+    graph, state = nnx.split(random_model(cfg))
     rows = []
     for tokens in token_counts:
         def prefill(state, prompt, fresh):
-            cache = init_cache(cfg, 1, tokens + 64, jnp.bfloat16)
-            return nnx.merge(graph, state)(prompt, jnp.zeros((1,), jnp.int32), cache, fresh=fresh)[0]
+            model = nnx.merge(graph, state)
+            cache = model.init_cache(1, tokens + 64)
+            return model(prompt, jnp.zeros((1,), jnp.int32), cache, fresh=fresh)[0]
 
         runs = {fresh: jax.jit(lambda s, p, f=fresh: prefill(s, p, f)) for fresh in (False, True)}
         prompt = jax.random.randint(jax.random.key(tokens), (1, tokens), 0, cfg.vocab_size)
@@ -105,24 +117,38 @@ def model_prefill(cfg, token_counts) -> list[dict]:
     return rows
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--model", action="store_true", help="time whole-model prefills instead")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="both parts on tiny shapes, to check the script")
+    args = parser.parse_args(argv)
     print(device_name(), jax.__version__, flush=True)
-    if args.model:
-        rows = [r for cfg, token_counts in MODEL_CASES for r in model_prefill(cfg, token_counts)]
-        print_table(rows)
-        print("saved", write_json("bench_prefill_model", rows))
-        return 0
-    rows = [case(shape, batch, tokens) for shape in args.shapes.split(",")
-            for batch in map(int, args.batches.split(",")) for tokens in map(int, args.tokens.split(","))]
+    if not on_gpu():
+        print("cuDNN's fused attention needs an NVIDIA GPU: its columns are skipped (None)", flush=True)
+    if args.model or args.smoke:
+        model_prefills(SMOKE_MODEL_CASES if args.smoke else MODEL_CASES)
+    if not args.model or args.smoke:
+        kernels = KernelPolicy(impl="triton", interpret=interpret_kernels())
+        tokens = SMOKE_TOKENS if args.smoke else tuple(map(int, args.tokens.split(",")))
+        batches = (1,) if args.smoke else tuple(map(int, args.batches.split(",")))
+        attention_cases([(shape, batch, n) for shape in args.shapes.split(",") for batch in batches
+                         for n in tokens], kernels)
+    return 0
+
+
+def model_prefills(cases) -> None:
+    rows = [r for cfg, token_counts in cases for r in model_prefill(cfg, token_counts)]
+    print_table(rows)
+    print("saved", write_json("bench_prefill_model", rows))
+
+
+def attention_cases(shapes, kernels: KernelPolicy) -> None:
+    rows = [case(shape, batch, tokens, kernels) for shape, batch, tokens in shapes]
     print_table([{k: v for k, v in r.items() if not k.endswith("_err")} for r in rows])
     print("saved", write_json("bench_prefill", rows))
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """The fused projection kernel on a GPU: correctness against the reference, then device time against XLA's
 compilation of the same projection, on the default model's four decoder projections.
 
-    PYTHONPATH=. python benchmarks/bench_projection.py [--sweep]
+    PYTHONPATH=. python benchmarks/bench_projection.py [--sweep] [--smoke]
 
 Each timed pass cycles through enough copies of the weight (> the 60 MB L2) that it streams from memory,
 as in a decode step. Device time from a profiler trace: every kernel of one call (XLA: the norm, the
 multiply and the reduce kernels; the kernel: one). `--sweep` times launch-parameter variants at one row.
-Prints a table; writes $OUT/bench_projection.json.
+Prints a table; writes $OUT/bench_projection.json. `--smoke`: the projections of a tiny model, few weight
+copies, to check the script (off GPUs the kernel in interpret mode and no device time: NaN).
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import SMOLLM2_135M, print_table, relative_error, write_json
-from benchmarks.device_trace import traced_kernels
+from benchmarks.common import SMOKE_TARGET, SMOLLM2_135M, interpret_kernels, print_table, relative_error, write_json
+from benchmarks.device_trace import summed_us_per_call, traced_kernels
 from specjax.kernels.projection_reference import projection_reference
 from specjax.kernels.projection_triton import ProjectionConfig, default_config, projection_triton
 
@@ -52,10 +53,13 @@ def inputs(case: dict, rows: int, dtype, copies: int, seed: int = 0):
 
 
 def run_fn(case: dict, kernel: bool, config: ProjectionConfig | None = None):
+    """The jitted projection: the kernel (in interpret mode where the device cannot run it) or XLA's."""
+    interpret = interpret_kernels()
+
     def fn(x, w, norm, residual):
         kwargs = dict(norm=norm, eps=1e-5, activation=case["activation"], residual=residual)
         if kernel:
-            return projection_triton(x, w, config=config, **kwargs)
+            return projection_triton(x, w, config=config, interpret=interpret, **kwargs)
         return projection_reference(x, w, **kwargs)
     return jax.jit(fn)
 
@@ -68,28 +72,34 @@ def kernel_error(case: dict, rows: int, dtype) -> float:
     return relative_error(out, ref)
 
 
-def device_us(case: dict, rows: int, kernel: bool, config: ProjectionConfig | None = None) -> tuple[float, float]:
+def device_us(case: dict, rows: int, kernel: bool, config: ProjectionConfig | None = None,
+              rotation_bytes: int = ROTATION_BYTES) -> tuple[float, float]:
     """(device us per call, kernels per call), cycling through weight copies."""
     weight_bytes = case["k"] * case["n"] * 2
-    copies = max(2, ROTATION_BYTES // weight_bytes)
+    copies = max(2, rotation_bytes // weight_bytes)
     x, ws, norm, residual = inputs(case, rows, jnp.bfloat16, copies)
     fn = run_fn(case, kernel, config)
     kernels = traced_kernels(lambda: [fn(x, w, norm, residual) for w in ws])
-    return sum(k.duration_ns for k in kernels) / copies / 1e3, len(kernels) / copies
+    return summed_us_per_call(kernels, copies), len(kernels) / copies
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="a tiny model's projections, to check the script")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        cfg, rotation_bytes, row_counts = SMOKE_TARGET, 0, ROWS[:1]
+    else:
+        cfg, rotation_bytes, row_counts = SMOLLM2_135M, ROTATION_BYTES, ROWS
     rows_out = []
-    for case in cases():
+    for case in cases(cfg):
         for dtype in (jnp.float32, jnp.bfloat16):
             error = kernel_error(case, 8, dtype)
             print(f"check {case['name']} {jnp.dtype(dtype).name}: rel error {error:.2e}", flush=True)
-        for rows in ROWS:
-            xla_us, xla_kernels = device_us(case, rows, kernel=False)
-            us, _ = device_us(case, rows, kernel=True)
+        for rows in row_counts:
+            xla_us, xla_kernels = device_us(case, rows, kernel=False, rotation_bytes=rotation_bytes)
+            us, _ = device_us(case, rows, kernel=True, rotation_bytes=rotation_bytes)
             gbs = case["k"] * case["n"] * 2 / us / 1e3
             rows_out.append(dict(projection=case["name"], rows=rows, kernel_us=us, kernel_GBps=gbs, xla_us=xla_us,
                                  xla_kernels=xla_kernels, speedup=xla_us / us,
@@ -98,13 +108,13 @@ def main() -> None:
     print_table(rows_out)
     sweep = []
     if args.sweep:
-        for case in cases():
+        for case in cases(cfg):
             base = default_config(case["k"], _out(case))
             block_ks = [b for b in (256, 512, 1024) if b < 2 * case["k"]]
             for block_n, block_k, warps, stages in itertools.product((16,), block_ks, (4, 8), (2, 3)):
                 config = dataclasses.replace(base, block_n=block_n, block_k=block_k, num_warps=warps,
                                              num_stages=stages)
-                us, _ = device_us(case, 1, kernel=True, config=config)
+                us, _ = device_us(case, 1, kernel=True, config=config, rotation_bytes=rotation_bytes)
                 sweep.append(dict(projection=case["name"], **dataclasses.asdict(config), us=us))
             best = sorted((r for r in sweep if r["projection"] == case["name"]), key=lambda r: r["us"])[:5]
             print(f"sweep {case['name']} (default {base}):")

@@ -17,14 +17,13 @@ import argparse
 import torch
 import transformers
 
-from benchmarks.bench_engine import smoke_configs
-from benchmarks.common import LLAMA31_8B, LLAMA32_1B, median_time, print_table, write_json
-from specjax.models.model_config import ModelConfig
+from benchmarks.common import LLAMA31_8B, LLAMA32_1B, SMOKE_DRAFT, SMOKE_TARGET, median_time, print_table, write_json
+from specjax.models.llama import LlamaConfig
 
 PROMPT_LEN = 128
 
 
-def hf_config(cfg: ModelConfig) -> transformers.LlamaConfig:
+def hf_config(cfg: LlamaConfig) -> transformers.LlamaConfig:
     return transformers.LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
@@ -33,7 +32,7 @@ def hf_config(cfg: ModelConfig) -> transformers.LlamaConfig:
         max_position_embeddings=cfg.max_position_embeddings, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-def random_model(cfg: ModelConfig, device: str) -> torch.nn.Module:
+def random_model(cfg: LlamaConfig, device: str) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device(device):
         return transformers.AutoModelForCausalLM.from_config(hf_config(cfg), dtype=torch.bfloat16).eval()
@@ -53,15 +52,15 @@ def timed_generate(model, prompts: torch.Tensor, new_tokens: int, repeats: int, 
     return median_time(run, repeats=repeats)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--variants", default="eager,static,assisted")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, a few tokens (checks the script)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    target_cfg, draft_cfg = smoke_configs() if args.smoke else (LLAMA31_8B, LLAMA32_1B)
+    target_cfg, draft_cfg = (SMOKE_TARGET, SMOKE_DRAFT) if args.smoke else (LLAMA31_8B, LLAMA32_1B)
     new_tokens = 8 if args.smoke else args.new_tokens
     repeats = 1 if args.smoke else 3
     variants = args.variants.split(",")

@@ -1,6 +1,7 @@
 """Shared benchmark helpers: timing, device ceilings, the standard speed subjects, result output."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -11,11 +12,15 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from specjax import LLM, SamplingParams
-from specjax.models.model_config import ModelConfig
+from specjax.engine.proposers.draft_model import DraftModelProposer
+from specjax.kernels.policy import KernelPolicy, has_kernels
+from specjax.models.kv_cache import KVCache
+from specjax.models.llama import FAMILY, LlamaConfig, LlamaForCausalLM
 
-LLAMA31_8B = ModelConfig(
+LLAMA31_8B = LlamaConfig(
     architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
     num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -23,17 +28,47 @@ LLAMA31_8B = ModelConfig(
     tie_word_embeddings=False, attention_bias=False, qk_norm=False, max_position_embeddings=131072,
     bos_token_id=128000, eos_token_ids=(128001,), torch_dtype="bfloat16")
 # A Llama-3.2-1B-shaped draft for the 8B target (same vocabulary).
-LLAMA32_1B = ModelConfig(
+LLAMA32_1B = LlamaConfig(
     architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
     num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
     rope_scaling=LLAMA31_8B.rope_scaling, tie_word_embeddings=True, attention_bias=False, qk_norm=False,
     max_position_embeddings=131072, bos_token_id=128000, eos_token_ids=(128001,), torch_dtype="bfloat16")
 # The default model's shape (SmolLM2-135M-Instruct): its decode step is launch-bound, not bandwidth-bound.
-SMOLLM2_135M = ModelConfig(
+SMOLLM2_135M = LlamaConfig(
     architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
     num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, rope_scaling=None,
     tie_word_embeddings=True, attention_bias=False, qk_norm=False, max_position_embeddings=8192,
     bos_token_id=1, eos_token_ids=(2,), torch_dtype="bfloat16")
+# The 8B target and its 1B draft shrunk for --smoke runs, which check a script on a CPU in seconds.
+_SMOKE_SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=16)
+SMOKE_TARGET = dataclasses.replace(LLAMA31_8B, **_SMOKE_SIZES)
+SMOKE_DRAFT = dataclasses.replace(LLAMA32_1B, **{**_SMOKE_SIZES, "num_layers": 1})
+
+
+def random_model(cfg: LlamaConfig, kernels: KernelPolicy = KernelPolicy(), seed: int = 0) -> LlamaForCausalLM:
+    """A model of cfg with random bf16 weights (speed does not depend on their values)."""
+    return FAMILY.random(cfg, dtype=jnp.bfloat16, seed=seed, kernels=kernels)
+
+
+def graph_with(cfg: LlamaConfig, kernels: KernelPolicy) -> nnx.GraphDef:
+    """The graph of random_model(cfg) under other kernels, built without weights: it runs that model's state
+    with other kernel choices."""
+    return nnx.graphdef(nnx.eval_shape(lambda: random_model(cfg, kernels)))
+
+
+def draft_proposer(draft: LlamaForCausalLM, k: int) -> DraftModelProposer:
+    """Greedy drafting of k tokens with `draft` (its cache counted whole on each device: draft TP 1)."""
+    return DraftModelProposer(nnx.graphdef(draft), k, probabilistic=False, cache_bytes=draft.cache_bytes)
+
+
+def interpret_kernels() -> bool:
+    """Whether Pallas kernels must run in interpret mode here: the device cannot run them (a CPU --smoke run)."""
+    return not has_kernels(jax.devices()[0])
+
+
+def on_gpu() -> bool:
+    return jax.devices()[0].platform == "gpu"
 
 
 def median_time(fn: Callable[[], object], repeats: int = 10, warmup: int = 2) -> float:
@@ -71,7 +106,7 @@ def matmul_flops(n: int = 8192) -> float:
     return 2 * n ** 3 / median_time(lambda: mm(a, b))
 
 
-def weight_bytes(cfg: ModelConfig, itemsize: int = 2) -> int:
+def weight_bytes(cfg: LlamaConfig, itemsize: int = 2) -> int:
     H, I, L, D = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.head_dim
     attn = H * D * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
     per_layer = attn + 3 * H * I + 2 * H
@@ -79,8 +114,8 @@ def weight_bytes(cfg: ModelConfig, itemsize: int = 2) -> int:
     return itemsize * (L * per_layer + H * cfg.vocab_size + H)
 
 
-def kv_bytes_per_token(cfg: ModelConfig, itemsize: int = 2) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+def kv_bytes_per_token(cfg: LlamaConfig, dtype=jnp.bfloat16) -> int:
+    return KVCache.bytes(cfg.num_layers, 1, cfg.num_kv_heads, 1, cfg.head_dim, dtype)
 
 
 def device_name() -> str:
@@ -88,10 +123,15 @@ def device_name() -> str:
     return f"{d.platform}:{getattr(d, 'device_kind', '')}"
 
 
-def write_json(name: str, rows: list[dict]) -> Path:
+def out_dir() -> Path:
+    """Where results go: $OUT, else benchmarks/results."""
     folder = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     folder.mkdir(parents=True, exist_ok=True)
-    out = folder / f"{name}.json"
+    return folder
+
+
+def write_json(name: str, rows: list[dict]) -> Path:
+    out = out_dir() / f"{name}.json"
     out.write_text(json.dumps({"device": device_name(), "jax": jax.__version__,
                                "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))
     return out

@@ -1,8 +1,9 @@
 """What ran on the GPU, and for how long: kernel events read back from a jax.profiler trace.
 
-Wall-clock timing of a ~50 us kernel through back-to-back jitted calls carries the ~18 us dispatch of each
-call (RESULTS.md: the same configuration measured 50-86 us); the profiler's device events are the kernels'
-own durations. Run with `--xla_enable_command_buffers_during_profiling=true` in XLA_FLAGS when the trace
+Wall-clock timing of a kernel of tens of microseconds through back-to-back jitted calls carries each call's
+dispatch, as much as the kernel itself (RESULTS.md, bench_attention run 4); the profiler's device events are
+the kernels' own durations. Off GPUs there are no device events, so device times are NaN there (a CPU
+--smoke run). Run with `--xla_enable_command_buffers_during_profiling=true` in XLA_FLAGS when the trace
 must show the loop as it runs unprofiled (XLA otherwise leaves CUDA graphs off while tracing).
 """
 from __future__ import annotations
@@ -29,8 +30,12 @@ class Kernel:
 
 
 def traced_kernels(run: Callable[[], object], keep_trace: Path | None = None) -> list[Kernel]:
-    """The device activity (kernels, device copies) of run() (its result blocked on), in start order."""
+    """The device activity (kernels, device copies) of run() (its result blocked on), in start order. Off GPUs
+    there is none: run() runs once, untraced (a trace of Pallas interpret mode's many host ops takes minutes
+    to write)."""
     jax.block_until_ready(run())   # compiled and warm before tracing
+    if jax.devices()[0].platform != "gpu":
+        return []
     folder = Path(tempfile.mkdtemp())
     with jax.profiler.trace(str(folder)):
         jax.block_until_ready(run())
@@ -54,9 +59,15 @@ def traced_kernels(run: Callable[[], object], keep_trace: Path | None = None) ->
 
 def device_us_per_call(fn: Callable, *args, calls: int = 5) -> float:
     """Device time of one call of jit(fn)(*args): the kernels' busy time over `calls` traced calls back to
-    back, divided by `calls`."""
+    back, divided by `calls`; NaN when the trace holds no kernel (off GPUs)."""
     call = jax.jit(fn)
-    return busy_ns(traced_kernels(lambda: [call(*args) for _ in range(calls)])) / calls / 1e3
+    kernels = traced_kernels(lambda: [call(*args) for _ in range(calls)])
+    return busy_ns(kernels) / calls / 1e3 if kernels else float("nan")
+
+
+def summed_us_per_call(kernels: list[Kernel], calls: int) -> float:
+    """The kernels' summed durations per call in us; NaN when there are none (off GPUs)."""
+    return sum(k.duration_ns for k in kernels) / calls / 1e3 if kernels else float("nan")
 
 
 def busy_ns(kernels: list[Kernel]) -> float:
