@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 
 import jax
 import numpy as np
@@ -215,6 +216,21 @@ def test_request_metrics_of_samples_in_several_waves(llm):
     m = out.metrics
     assert m.first_token_time < m.finished_time   # the third sample ran in a second wave
     assert m.model_execute_time <= m.finished_time - m.first_scheduled_time + 1e-6
+
+
+def test_enforce_eager_reaches_the_loops_compilation(model_dir, llm, monkeypatch):
+    from specjax.engine import runner
+
+    compiled_with = []
+    monkeypatch.setattr(runner, "jit_generate", lambda *args, compiler_options, **kwargs: compiled_with.append(
+        compiler_options))
+    monkeypatch.setattr(runner, "eager_compiler_options", lambda: {"xla_gpu_enable_command_buffer": ""})
+    with pytest.warns(UserWarning) if jax.default_backend() != "gpu" else warnings.catch_warnings():
+        eager = LLM(str(model_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=1, enforce_eager=True)
+    eager._runner.generate_fn(3, False)
+    llm._runner.generate_fn(3, False)
+    del llm._runner._compiled[3, False, False, None]   # the stand-in, out of the shared engine's cache
+    assert compiled_with == [{"xla_gpu_enable_command_buffer": ""}, None]   # None: loop_compiler_options()
 
 
 def test_enforce_eager_compiles_without_cuda_graphs(model_dir, monkeypatch):
