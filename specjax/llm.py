@@ -131,14 +131,16 @@ class LLM:
                 bar.update(len(wave))
         outputs = [RequestOutput(request_id=str(i), prompt=_prompt_text(p), prompt_token_ids=ids, outputs=[])
                    for i, (p, ids) in enumerate(zip(prompt_list, token_lists))]
-        for owner, request, result in zip(owners, requests, results):
+        waves_of: list[set[tuple[float, float]]] = [set() for _ in outputs]
+        for owner, request, result, span in zip(owners, requests, results, spans):
             completion = self._completion(len(outputs[owner].outputs), request, result)
             outputs[owner].outputs.append(completion)
             if result.prompt_logprobs is not None and outputs[owner].prompt_logprobs is None:
                 outputs[owner].prompt_logprobs = self._prompt_logprobs(request.prompt_token_ids, result)
+            waves_of[owner].add(span)
             self._count(result)
-        for i, out in enumerate(outputs):
-            out.metrics = _request_metrics(arrival, sorted({span for owner, span in zip(owners, spans) if owner == i}))
+        for out, waves in zip(outputs, waves_of):
+            out.metrics = _request_metrics(arrival, sorted(waves))
         return outputs
 
     def _completion(self, index: int, request: Request, r: RowResult) -> CompletionOutput:

@@ -5,7 +5,7 @@ import pytest
 
 from specjax import LLM, SamplingParams
 from specjax.build import PROPOSER_BUILDERS, build_engine, check_caches_fit
-from specjax.config import IMPLEMENTED_METHODS, EngineConfig
+from specjax.config import KNOWN_METHODS, EngineConfig
 from specjax.engine.shapes import buffer_len
 
 LIMITS = dict(max_model_len=64, max_num_seqs=4)
@@ -40,4 +40,4 @@ def test_seed_none_draws_a_seed_and_generates(tiny_checkpoint_factory, default_m
 
 
 def test_every_implemented_method_has_a_builder():
-    assert set(PROPOSER_BUILDERS) == set(IMPLEMENTED_METHODS)
+    assert set(PROPOSER_BUILDERS) == set(KNOWN_METHODS)

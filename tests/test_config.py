@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from specjax import config as config_lib
-from specjax.config import speculative as speculative_module
 from specjax.config import (ACCEPTED_KWARGS, EngineConfig, SpeculativeConfig, check_draft_compatible,
                             check_kv_cache_fits)
 
@@ -207,24 +206,6 @@ def test_eagle_methods_inferred_from_the_head_name_as_vllm_does(d, method):
 def test_eagle_needs_a_head():
     with pytest.raises(ValueError, match="'eagle3' needs 'model'"):
         spec({"method": "eagle3", "num_speculative_tokens": 2})
-
-
-@pytest.mark.parametrize("d, method", [({"method": "mtp"}, "mtp")])
-def test_unimplemented_methods_raise_not_implemented_naming_what_exists(d, method):
-    with pytest.raises(NotImplementedError, match=f"'{method}' is not implemented") as info:
-        spec({**d, "num_speculative_tokens": 2})
-    assert "draft_model" in str(info.value) and "ngram" in str(info.value)
-
-
-def test_old_mtp_method_names_map_to_mtp():
-    with pytest.warns(UserWarning, match="deprecated"), pytest.raises(NotImplementedError, match="'mtp'"):
-        spec({"method": "deepseek_mtp", "num_speculative_tokens": 1})
-
-
-def test_implemented_methods_is_the_one_switch(monkeypatch):
-    monkeypatch.setattr(speculative_module, "IMPLEMENTED_METHODS", speculative_module.IMPLEMENTED_METHODS | {"mtp"})
-    cfg = spec({"method": "mtp", "num_speculative_tokens": 2})
-    assert (cfg.method, cfg.model) == ("mtp", None)
 
 
 @pytest.mark.parametrize("d, error, message", [

@@ -124,7 +124,7 @@ def test_draft_with_another_vocabulary_is_refused(default_model_dir, tiny_checkp
      "draft_tensor_parallel_size"),
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      ValueError, "prompt_lookup"),
-    ({"method": "mtp", "num_speculative_tokens": 3}, NotImplementedError, "ngram"),
+    ({"method": "mtp", "num_speculative_tokens": 3}, ValueError, "num_nextn_predict_layers"),
 ])
 def test_bad_speculative_configs_fail_before_loading_the_draft(default_model_dir, spec, error, match):
     with pytest.raises(error, match=match):

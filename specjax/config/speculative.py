@@ -14,8 +14,6 @@ from specjax.config.validators import (ANY, check_int, check_optional_str, is_nu
                                        path_or_id)
 
 KNOWN_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
-# The methods the engine runs; extend as proposers land.
-IMPLEMENTED_METHODS = frozenset({"ngram", "draft_model", "eagle", "eagle3", "mtp"})
 # Model families whose checkpoints carry MTP layers, for the error a target without them gets.
 MTP_FAMILIES = "DeepSeek-V3 / V3.1 / R1 (num_nextn_predict_layers) and MiMo-7B (model.mtp_layers)"
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -165,9 +163,6 @@ def _infer_method(method: Any, model: Any) -> tuple[str, str | None]:
         method = _method_from_model_name(model)
     if method not in KNOWN_METHODS:
         raise ValueError(f"speculative_config['method'] must be one of {KNOWN_METHODS}, got {method!r}")
-    if method not in IMPLEMENTED_METHODS:
-        raise NotImplementedError(f"speculative method {method!r} is not implemented in specjax yet; "
-                                  f"available: {sorted(IMPLEMENTED_METHODS)}")
     if method in ("draft_model", "eagle", "eagle3") and model is None:
         raise ValueError(f"speculative_config method {method!r} needs 'model': the draft checkpoint "
                          "(a Hugging Face Hub id or a local directory)")
