@@ -228,13 +228,13 @@ def eagle_suite(target: Subject, batches, ks, sizes: Sizes):
 
 
 def acceptance_sweep(target: Subject, proposer, draft_state, B, plain, t_verify, t_draft, sizes: Sizes,
-                     **extra) -> list[dict]:
-    """One compiled speculative loop run at synthetic acceptance lengths 1.5 / 2.5 / 3.5: tokens/s against
-    plain decoding (`plain` seconds) and against the ideal B x AL / (t_verify + k t_draft). Rows printed as
-    they come; `extra` is added to each."""
+                     lengths=(1.5, 2.5, 3.5), **extra) -> list[dict]:
+    """One compiled speculative loop run at synthetic acceptance `lengths`: tokens/s against plain decoding
+    (`plain` seconds) and against the ideal B x AL / (t_verify + k t_draft). Rows printed as they come; `extra`
+    is added to each."""
     k, rows, new_tokens = proposer.k, [], sizes.new_tokens
     gen = generate_fn(target.graph, proposer)
-    for al in (1.5, 2.5, 3.5):
+    for al in lengths:
         _, t, steps = run_generate(target.graph, target.state, proposer, draft_state, B, sizes.prompt_len,
                                    new_tokens, conditional_rates(al, k), gen)
         measured_al = (new_tokens - 1) / max(steps, 1)

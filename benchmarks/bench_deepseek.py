@@ -1,0 +1,188 @@
+"""DeepSeek targets with random weights: the decode step of DeepSeek-V3 at full width with 4 layers (1 dense +
+3 MoE) in FP8 against its floor, DeepSeek-V2-Lite's shape (27 layers, 64 routed + 2 shared experts) in bf16 end
+to end, and V2-Lite with one MTP layer drafting at synthetic acceptance lengths against the ideal
+AL / (t_verify + k t_mtp).
+
+The floor counts the bytes a step must read: every weight except the routed experts, the distinct routed experts
+the batch selects (counted by routing random hidden states through each MoE layer's own router) and the latent
+cache, over the copy bandwidth measured in the same process.
+
+    PYTHONPATH=. python benchmarks/bench_deepseek.py [--suites v3_step,v2_e2e,mtp] [--smoke]
+
+Writes $OUT/bench_deepseek_<suite>.json and prints each row as it comes.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks.bench_engine import (SMOKE_SIZES, Sizes, acceptance_sweep, head_step_time, run_plain, step_time,
+                                     subject)
+from benchmarks.common import copy_bandwidth, print_table, write_json
+from specjax.engine.proposers.eagle import HeadProposer
+from specjax.models.deepseek import FAMILY, DeepseekConfig
+from specjax.models.moe import route
+from specjax.models.mtp import MtpConfig, MtpHead
+
+SUITES = ("v3_step", "v2_e2e", "mtp")
+YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
+# DeepSeek-V3's config.json, 4 layers instead of 61, the first one dense (V3 has 3).
+V3_4_LAYERS = {
+    "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280, "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 128,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 8, "topk_group": 4,
+    "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+    "rope_scaling": {**YARN, "mscale": 1.0, "mscale_all_dim": 1.0}, "max_position_embeddings": 163840,
+    "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
+    "num_nextn_predict_layers": 1,
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "weight_block_size": [128, 128]}}
+# DeepSeek-V2-Lite's config.json (15.7 B parameters, 2.4 B active), with one MTP layer declared for the mtp suite.
+V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 102400, "hidden_size": 2048,
+    "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+    "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 64, "num_experts_per_tok": 6, "n_shared_experts": 2, "n_group": 1, "topk_group": 1,
+    "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+    "first_k_dense_replace": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+    "rope_scaling": {**YARN, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707},
+    "max_position_embeddings": 163840, "tie_word_embeddings": False, "bos_token_id": 100000,
+    "eos_token_id": 100001, "torch_dtype": "bfloat16", "num_nextn_predict_layers": 1}
+# The same two shapes shrunk for --smoke (the FP8 block kept at 128: every quantized dim is a multiple of it).
+SMOKE = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 256, "moe_intermediate_size": 128,
+         "num_attention_heads": 2, "q_lora_rank": 128, "kv_lora_rank": 128, "qk_nope_head_dim": 32,
+         "qk_rope_head_dim": 16, "v_head_dim": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
+         "topk_group": 1, "num_hidden_layers": 2}
+V3_BATCHES, V2_BATCHES = (1, 8, 32, 128), (1, 8)
+CONTEXT = 1024
+
+
+def config(d: dict, smoke: bool) -> DeepseekConfig:
+    if smoke:
+        d = {**d, **SMOKE, "q_lora_rank": SMOKE["q_lora_rank"] if d["q_lora_rank"] else None}
+    return DeepseekConfig.from_hf_dict(d)
+
+
+def leaf_bytes(state) -> dict[str, int]:
+    """Bytes of each weight leaf of a model's state, by its path."""
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
+    return {"/".join(str(getattr(key, "key", key)) for key in path): leaf.nbytes for path, leaf in flat}
+
+
+def distinct_experts(model, cfg: DeepseekConfig, B: int, T: int = 1) -> float:
+    """The mean number of distinct routed experts per MoE layer that B rows of T tokens select, routing random
+    unit-variance hidden states through each layer's own router."""
+    weights = model.moe
+    counts = []
+    layers = weights["w_router"][...].shape[0] if "w_router" in weights else 0
+    x = jax.random.normal(jax.random.key(7), (B * T, cfg.hidden_size), jnp.float32)
+    for layer in range(layers):
+        bias = weights["router_bias"][...][layer] if "router_bias" in weights else None
+        ids, _ = route(x, weights["w_router"][...][layer], bias, cfg.routing)
+        counts.append(len(np.unique(np.asarray(ids))))
+    return float(np.mean(counts)) if counts else 0.0
+
+
+def floor_bytes(sizes: dict[str, int], cfg: DeepseekConfig, distinct: float, B: int, T: int, context: int) -> float:
+    """Bytes one step reads: the weights but the routed experts and the embedding whole, `distinct` experts per
+    MoE layer, B*T embedding rows, and the latent cache up to context + T (bf16)."""
+    routed = sum(n for path, n in sizes.items() if path.split("/")[-1].startswith("we_"))
+    embed = sizes["embed"]
+    rest = sum(sizes.values()) - routed - embed
+    per_expert_all_layers = routed / cfg.n_routed_experts
+    latent = B * (context + T) * cfg.latent_width * 2 * cfg.num_layers
+    return rest + distinct * per_expert_all_layers + B * T * embed / cfg.vocab_size + latent
+
+
+def stepped_subject(cfg: DeepseekConfig):
+    model = FAMILY.random(cfg, dtype=jnp.bfloat16, unroll_layers=False)
+    graph, state = nnx.split(model)
+    return model, subject(cfg, graph, state)
+
+
+def v3_step_suite(bandwidth: float, smoke: bool) -> list[dict]:
+    cfg = config(V3_4_LAYERS, smoke)
+    model, target = stepped_subject(cfg)
+    sizes = leaf_bytes(target.state)
+    rows = []
+    for B in (1,) if smoke else V3_BATCHES:
+        distinct = distinct_experts(model, cfg, B)
+        floor = floor_bytes(sizes, cfg, distinct, B, 1, CONTEXT) / bandwidth
+        t = step_time(target, B, 1, CONTEXT)
+        rows.append(dict(shape="v3_4layers_fp8", batch=B, context=CONTEXT, distinct_experts=distinct,
+                         ms=1e3 * t, floor_ms=1e3 * floor, roofline_frac=floor / t,
+                         weights_GB=sum(sizes.values()) / 1e9))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def v2_e2e_suite(bandwidth: float, smoke: bool, sizes_run: Sizes) -> list[dict]:
+    cfg = config(V2_LITE, smoke)
+    model, target = stepped_subject(cfg)
+    sizes = leaf_bytes(target.state)
+    rows = []
+    for B in (1,) if smoke else V2_BATCHES:
+        distinct = distinct_experts(model, cfg, B)
+        context = sizes_run.prompt_len + sizes_run.new_tokens // 2
+        floor = floor_bytes(sizes, cfg, distinct, B, 1, context) / bandwidth
+        first, steady, steps = run_plain(target, B, sizes_run.prompt_len, sizes_run.new_tokens)
+        t_step = step_time(target, B, 1, context)
+        rows.append(dict(shape="v2_lite_bf16", batch=B, new_tokens=sizes_run.new_tokens,
+                         tok_s=B * sizes_run.new_tokens / steady, step_ms=1e3 * t_step, floor_ms=1e3 * floor,
+                         roofline_frac=floor / t_step, distinct_experts=distinct, compile_s=first - steady))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def mtp_suite(smoke: bool, sizes_run: Sizes) -> list[dict]:
+    """V2-Lite drafting with one MTP layer (random; its embedding and lm_head are the target's shapes): k = 1, 2,
+    3 (--smoke: 1) at synthetic acceptance 1.5 / 2.5 / 3.5 (those a k allows)."""
+    cfg = config(V2_LITE, smoke)
+    _, target = stepped_subject(cfg)
+    head = MtpHead(MtpConfig(target=cfg, num_mtp_layers=1), dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    hgraph, hstate = nnx.split(head)
+    context = sizes_run.prompt_len + sizes_run.new_tokens // 2
+    rows = []
+    for B in (1,) if smoke else V2_BATCHES:
+        plain = run_plain(target, B, sizes_run.prompt_len, sizes_run.new_tokens)[1]
+        t_mtp = head_step_time(hgraph, hstate, head, B, context)
+        for k in (1,) if smoke else (1, 2, 3):
+            t_verify = step_time(target, B, k + 1, context)
+            rows += acceptance_sweep(target, HeadProposer(hgraph, head, k, probabilistic=False), hstate, B, plain,
+                                     t_verify, t_mtp, sizes_run, lengths=[al for al in (1.5, 2.5, 3.5) if al <= k + 1],
+                                     shape="v2_lite+mtp")
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--suites", default=",".join(SUITES))
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, batch 1, to check the script on CPU")
+    args = parser.parse_args(argv)
+    sizes = SMOKE_SIZES if args.smoke else dataclasses.replace(Sizes(), new_tokens=128)
+    bandwidth = copy_bandwidth(1 << 26) if args.smoke else copy_bandwidth()
+    print(f"{jax.devices()[0].device_kind}: copy {bandwidth / 1e12:.2f} TB/s", flush=True)
+    for suite in args.suites.split(","):
+        if suite == "v3_step":
+            rows = v3_step_suite(bandwidth, args.smoke)
+        elif suite == "v2_e2e":
+            rows = v2_e2e_suite(bandwidth, args.smoke, sizes)
+        elif suite == "mtp":
+            rows = mtp_suite(args.smoke, sizes)
+        else:
+            raise SystemExit(f"--suites: unknown suite {suite!r}; choose from {', '.join(SUITES)}")
+        for r in rows:
+            r["copy_TBps"] = bandwidth / 1e12
+        print_table(rows)
+        write_json(f"bench_deepseek_{suite}", rows)
+
+
+if __name__ == "__main__":
+    main()
