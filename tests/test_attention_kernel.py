@@ -24,6 +24,14 @@ INTERPRET = KernelPolicy(impl="triton", interpret=True)
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
 
+@pytest.fixture(autouse=True)
+def exact_float32_matmuls():
+    """fp32 at full precision, as the engine runs fp32 models: on a GPU the default is TF32 (~3e-4 relative
+    here), which would hide nothing but fail the 1e-5 tolerance."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def make_inputs(seed, batch, tokens, q_heads, kv_heads, slots, head_dim, dtype, layers=2,
                 starts=None):
     """Random q and caches; slots past each row's last written token hold NaN (garbage)."""
@@ -113,6 +121,16 @@ KERNEL_CASES = [
 
 @pytest.mark.parametrize("case", KERNEL_CASES)
 def test_kernel_matches_reference(case):
+    check_kernel_case(case, interpret=True)
+
+
+@pytest.mark.skipif(not has_kernels(jax.devices()[0]), reason="compiles the Triton kernel (NVIDIA sm80+)")
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_compiled_kernel_matches_reference_on_the_gpu(case):
+    check_kernel_case(case, interpret=False)
+
+
+def check_kernel_case(case, interpret: bool) -> None:
     batch, tokens, q_heads, kv_heads, slots, head_dim, dtype, config, starts, window = case
     q, k, v, start = make_inputs(2, batch, tokens, q_heads, kv_heads, slots, head_dim, dtype,
                                  starts=starts)
@@ -120,7 +138,7 @@ def test_kernel_matches_reference(case):
     # Interpret mode fills outputs with NaN before the kernel runs (checked below), so
     # relative_error's finiteness check proves every element was written.
     out = attention_triton(q, k, v, jnp.int32(1), start, scale=scale, window=window, config=config,
-                           interpret=True)
+                           interpret=interpret)
     expected = attention_reference(q, k, v, jnp.int32(1), start, scale=scale, window=window)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert relative_error(out, expected) < TOLERANCE[dtype]
