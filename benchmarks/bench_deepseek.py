@@ -70,29 +70,32 @@ def config(d: dict, smoke: bool) -> DeepseekConfig:
     return DeepseekConfig.from_hf_dict(d)
 
 
-def leaf_bytes(state) -> dict[str, int]:
-    """Bytes of each weight leaf of a model's state, by its path."""
+def leaves(state) -> dict[str, jax.Array]:
+    """A model state's weight leaves by path (the same for stacked and unrolled layers, up to layer indices)."""
     flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
-    return {"/".join(str(getattr(key, "key", key)) for key in path): leaf.nbytes for path, leaf in flat}
+    return {"/".join(str(getattr(key, "key", key)) for key in path): leaf for path, leaf in flat}
 
 
-def distinct_experts(model, cfg: DeepseekConfig, B: int, T: int = 1) -> float:
+def distinct_experts(weights: dict[str, jax.Array], cfg: DeepseekConfig, B: int, T: int = 1) -> float:
     """The mean number of distinct routed experts per MoE layer that B rows of T tokens select, routing random
     unit-variance hidden states through each layer's own router."""
-    weights = model.moe
-    counts = []
-    layers = weights["w_router"][...].shape[0] if "w_router" in weights else 0
+    routers = sorted(path for path in weights if path.endswith("w_router"))
     x = jax.random.normal(jax.random.key(7), (B * T, cfg.hidden_size), jnp.float32)
-    for layer in range(layers):
-        bias = weights["router_bias"][...][layer] if "router_bias" in weights else None
-        ids, _ = route(x, weights["w_router"][...][layer], bias, cfg.routing)
-        counts.append(len(np.unique(np.asarray(ids))))
+    counts = []
+    for path in routers:
+        bias = weights.get(path.replace("w_router", "router_bias"))
+        router = weights[path].reshape(-1, cfg.hidden_size, cfg.n_routed_experts)
+        for layer in range(router.shape[0]):
+            ids, _ = route(x, router[layer], None if bias is None else bias.reshape(router.shape[0], -1)[layer],
+                           cfg.routing)
+            counts.append(len(np.unique(np.asarray(ids))))
     return float(np.mean(counts)) if counts else 0.0
 
 
-def floor_bytes(sizes: dict[str, int], cfg: DeepseekConfig, distinct: float, B: int, T: int, context: int) -> float:
+def floor_bytes(weights: dict[str, jax.Array], cfg: DeepseekConfig, distinct: float, B: int, T: int, context: int) -> float:
     """Bytes one step reads: the weights but the routed experts and the embedding whole, `distinct` experts per
     MoE layer, B*T embedding rows, and the latent cache up to context + T (bf16)."""
+    sizes = {path: leaf.nbytes for path, leaf in weights.items()}
     routed = sum(n for path, n in sizes.items() if path.split("/")[-1].startswith("we_"))
     embed = sizes["embed"]
     rest = sum(sizes.values()) - routed - embed
@@ -102,36 +105,34 @@ def floor_bytes(sizes: dict[str, int], cfg: DeepseekConfig, distinct: float, B: 
 
 
 def stepped_subject(cfg: DeepseekConfig):
-    model = FAMILY.random(cfg, dtype=jnp.bfloat16, unroll_layers=False)
-    graph, state = nnx.split(model)
-    return model, subject(cfg, graph, state)
+    """The target as the engine runs it here (layers unrolled on GPUs, scanned elsewhere) and its weights."""
+    graph, state = nnx.split(FAMILY.random(cfg, dtype=jnp.bfloat16))
+    return leaves(state), subject(cfg, graph, state)
 
 
 def v3_step_suite(bandwidth: float, smoke: bool) -> list[dict]:
     cfg = config(V3_4_LAYERS, smoke)
-    model, target = stepped_subject(cfg)
-    sizes = leaf_bytes(target.state)
+    weights, target = stepped_subject(cfg)
     rows = []
     for B in (1,) if smoke else V3_BATCHES:
-        distinct = distinct_experts(model, cfg, B)
-        floor = floor_bytes(sizes, cfg, distinct, B, 1, CONTEXT) / bandwidth
+        distinct = distinct_experts(weights, cfg, B)
+        floor = floor_bytes(weights, cfg, distinct, B, 1, CONTEXT) / bandwidth
         t = step_time(target, B, 1, CONTEXT)
         rows.append(dict(shape="v3_4layers_fp8", batch=B, context=CONTEXT, distinct_experts=distinct,
                          ms=1e3 * t, floor_ms=1e3 * floor, roofline_frac=floor / t,
-                         weights_GB=sum(sizes.values()) / 1e9))
+                         weights_GB=sum(leaf.nbytes for leaf in weights.values()) / 1e9))
         print(rows[-1], flush=True)
     return rows
 
 
 def v2_e2e_suite(bandwidth: float, smoke: bool, sizes_run: Sizes) -> list[dict]:
     cfg = config(V2_LITE, smoke)
-    model, target = stepped_subject(cfg)
-    sizes = leaf_bytes(target.state)
+    weights, target = stepped_subject(cfg)
     rows = []
     for B in (1,) if smoke else V2_BATCHES:
-        distinct = distinct_experts(model, cfg, B)
+        distinct = distinct_experts(weights, cfg, B)
         context = sizes_run.prompt_len + sizes_run.new_tokens // 2
-        floor = floor_bytes(sizes, cfg, distinct, B, 1, context) / bandwidth
+        floor = floor_bytes(weights, cfg, distinct, B, 1, context) / bandwidth
         first, steady, steps = run_plain(target, B, sizes_run.prompt_len, sizes_run.new_tokens)
         t_step = step_time(target, B, 1, context)
         rows.append(dict(shape="v2_lite_bf16", batch=B, new_tokens=sizes_run.new_tokens,

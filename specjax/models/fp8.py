@@ -15,6 +15,7 @@ from typing import Mapping
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 FP8_BLOCK = (128, 128)
 E4M3_MAX = 448.0
@@ -77,13 +78,22 @@ def dequantize_stack(weights: Mapping[str, jax.Array], name: str, block: tuple[i
     slices are read)."""
     w, scale = weights[name], weights.get(name + "_scale")
     if ids is not None:
-        w, scale = w[ids], None if scale is None else scale[ids]
+        w, scale = take(w, ids), None if scale is None else scale[ids]
     if scale is None:
         return w
     lead = w.shape[:-2]
     flat = jax.vmap(lambda m, s: dequantize_blocks(m, s, block, dtype))(w.reshape(-1, *w.shape[-2:]),
                                                                         scale.reshape(-1, *scale.shape[-2:]))
     return flat.reshape(*lead, *w.shape[-2:])
+
+
+def take(w: jax.Array, ids: jax.Array) -> jax.Array:
+    """w[ids] on the leading axis, reading only those slices. A float8 gather goes through its bytes: XLA
+    converts a float8 gather's whole operand to a wider float first (on the GPU, a 42 GiB buffer for DeepSeek-V3's
+    experts of one layer)."""
+    if w.dtype != jnp.float8_e4m3fn:
+        return w[ids]
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(w, jnp.uint8)[ids], w.dtype)
 
 
 def _blocks(w: jax.Array, block: tuple[int, int]) -> jax.Array:
