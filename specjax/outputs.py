@@ -179,3 +179,22 @@ def spec_decode_metrics(num_drafts: int, num_draft_tokens: int, num_accepted: in
         Counter(name=NUM_ACCEPTED_TOKENS, labels=dict(base), value=int(num_accepted)),
         Vector(name=NUM_ACCEPTED_TOKENS_PER_POS, labels=dict(base), values=per_pos),
     ]
+
+
+@dataclasses.dataclass
+class StreamOutput:
+    """One update of `LLM.generate_stream` / `chat_stream`: what one completion added since its last update.
+
+    request_id: the prompt's, as generate's RequestOutput numbers it (its index in the prompts given).
+    index: which of the prompt's n completions. token_ids, text: the new token ids and text (either may be empty:
+    text waits for a whole character, and for a stop string it could still become). finished: the completion is
+    complete (it gets no more tokens). output: on the prompt's last update only (no new tokens then), the
+    RequestOutput generate returns for it.
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    finished: bool
+    output: RequestOutput | None = None

@@ -21,7 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LANES = (("bench_default_model", "bench_eagle", "bench_transformers", "bench_projection"),
-         ("bench_engine", "bench_tp", "bench_attention", "bench_prefill", "bench_sampling"))
+         ("bench_engine", "bench_tp", "bench_attention", "bench_prefill", "bench_sampling", "bench_stream"))
 SCRIPTS = sorted(name for lane in LANES for name in lane)
 REAL_MODEL = ("bench_default_model", "bench_eagle")
 # Extra environment per script: bench_tp splits its model over two (simulated) CPU devices.
@@ -46,6 +46,7 @@ EXPECTED_ROWS = {
                        "bench_sampling": ("setting", ["greedy", "temperature", "top_k50", "top_p0.9", "min_p0.1"])},
     "bench_engine": {f"bench_engine_{suite}_auto": expected for suite, expected in ENGINE_SUITES.items()},
     "bench_tp": {"bench_tp": ("tp", [1, 2])},
+    "bench_stream": {"bench_stream": ("mode", ["generate", "generate_stream"])},
     "bench_prefill": {"bench_prefill": ("shape", ["8b", "smollm2"]), "bench_prefill_model": ("tokens", [16, 32])},
 }
 
