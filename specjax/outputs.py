@@ -100,6 +100,8 @@ class RequestMetrics:
     finished_time: when the last wave running one of its samples returned. time_in_queue: first_scheduled_time
     - arrival_time (the checks, tokenization and earlier waves before it). model_execute_time: the summed wall
     time of its waves (padding, the jitted prefill and decode loop, compilation on a first call, reading back).
+    Streamed requests are timed the same way, by their waves (their first tokens come before first_token_time;
+    a wave's time then includes the caller's between updates).
     """
 
     arrival_time: float

@@ -137,6 +137,15 @@ def test_chat_keeps_the_conversation_and_resets(tiny_chat_model, monkeypatch, ca
     assert capsys.readouterr().out == "".join(text.strip() + "\n" for text in replies)
 
 
+def test_chat_prints_a_reply_as_it_comes_trimmed_as_a_whole(capsys):
+    printer, shown = cli.TrimmedPrinter(), []
+    for piece in ["\n ", "Hello", " ", "", "wor", "ld", " \n", "\n"]:
+        printer.write(piece)
+        shown.append(capsys.readouterr().out)
+    printer.end()
+    assert shown == ["", "Hello", "", "", " wor", "ld", "", ""] and capsys.readouterr().out == "\n"
+
+
 def test_bench_latency_and_throughput(tiny_chat_model, tmp_path, capsys):
     common = ["--model", str(tiny_chat_model), "--input-len", "8", "--output-len", "8", "--num-iters-warmup", "1",
               "--num-iters", "2", "--max-model-len", "128", *GREEDY, "--method", "ngram",
