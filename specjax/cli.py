@@ -259,9 +259,9 @@ def mean_acceptance_length(llm) -> float | None:
 
 def _chat_parser(commands) -> None:
     parser = commands.add_parser(
-        "chat", help="chat interactively (the conversation is kept)",
-        description="Read one user turn per line on stdin, print each reply. /reset starts the conversation "
-                    "over; /exit or end of input quits.")
+        "chat", help="chat interactively, replies streamed (the conversation is kept)",
+        description="Read one user turn per line on stdin, print each reply as it is generated. /reset starts "
+                    "the conversation over; /exit or end of input quits.")
     parser.add_argument("--system", default=None, help="a system message opening the conversation")
     _add_engine_flags(parser)
     _add_speculative_flags(parser)
@@ -297,16 +297,39 @@ def _user_turns() -> Iterator[str]:
 
 
 def reply(llm, conversation: list[dict], params) -> str:
-    """Generate the assistant's next turn, print it, return its text. (The one place that prints a reply:
-    streaming prints tokens here as they come.)"""
+    """Generate the assistant's next turn, printing it as it comes (LLM.chat_stream), and return its text. (The
+    one place that prints a reply.)"""
     start = time.perf_counter()
-    completion = llm.chat(conversation, params, use_tqdm=False)[0].outputs[0]
+    printer = TrimmedPrinter()
+    for update in llm.chat_stream(conversation, params):
+        printer.write(update.text)
+        if update.output is not None:   # the last update
+            completion = update.output.outputs[0]
+    printer.end()
     seconds = time.perf_counter() - start
-    print(completion.text.strip(), flush=True)
     print(f"[{len(completion.token_ids)} tokens, {len(completion.token_ids) / seconds:.1f} tokens/s"
           + (f", acceptance length {completion.mean_acceptance_length:.2f}]" if completion.num_drafts else "]"),
           file=sys.stderr)
     return completion.text
+
+
+class TrimmedPrinter:
+    """Prints text pieces as they come, as print("".join(pieces).strip()) would at the end: leading whitespace
+    dropped, other whitespace held back until text follows it (a reply's trailing newlines never show)."""
+
+    def __init__(self):
+        self._held, self._begun = "", False
+
+    def write(self, piece: str) -> None:
+        text = self._held + piece if self._begun else piece.lstrip()
+        shown = text.rstrip()
+        if shown:
+            print(shown, end="", flush=True)
+            self._begun = True
+        self._held = text[len(shown):]
+
+    def end(self) -> None:
+        print(flush=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,12 +1,15 @@
-"""`LLM`: vLLM's offline interface (generate, chat, get_metrics) over specjax's one-call-per-wave engine.
+"""`LLM`: vLLM's offline interface (generate, chat, get_metrics) over specjax's one-call-per-wave engine, and
+their streamed forms (generate_stream, chat_stream), which run each wave's loop in chunks.
 
 Requests are checked before any work (tokenization aside): a malformed prompt, sampling_params or conversation
 raises a TypeError or ValueError naming the prompt and the field, and the engine stays usable.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Sequence
 
 import numpy as np
@@ -15,16 +18,29 @@ from tqdm.auto import tqdm
 from specjax.build import build_engine
 from specjax.config import EngineConfig
 from specjax.default_model import DEFAULT_MODEL
-from specjax.engine.runner import Request, RowResult, WaveRunner
+from specjax.engine.runner import Request, RowResult, WaveChunk, WaveRunner
 from specjax.engine.state import TokenLogprobs
-from specjax.engine.stop_strings import apply_stop_strings, token_finish_reason
-from specjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, spec_decode_metrics
+from specjax.engine.stop_strings import FinishedRow, apply_stop_strings, token_finish_reason
+from specjax.engine.stream_text import TextStream
+from specjax.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput, StreamOutput,
+                             spec_decode_metrics)
 from specjax.sampling_params import SamplingParams, child_params
 
 # The keys of vLLM's text and token prompts that specjax reads; other keys are ignored, as vLLM does, except those
 # vLLM gives a meaning specjax lacks (the output would silently differ): those are refused.
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 UNSUPPORTED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "prompt_embeds", "token_type_ids")
+# Loop steps between streamed updates: small enough that text flows, large enough that the host's look at the
+# state (a device round trip and a decode per chunk) stays a small share of the time (benchmarks/RESULTS.md).
+DEFAULT_STREAM_INTERVAL = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class _Finished:
+    """A completion's request, the runner's result for it and its wave's (started, returned) times."""
+    request: Request
+    result: RowResult
+    span: tuple[float, float]
 
 
 class LLM:
@@ -86,6 +102,44 @@ class LLM:
         """Generate for a prompt or a list of prompts (strings or {"prompt_token_ids": [...]} / {"prompt": ...}),
         one RequestOutput per prompt, in order."""
         arrival = time.time()
+        return self._run(*self._checked(prompts, sampling_params), use_tqdm, arrival)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (a list of {"role", "content"} dicts) or a
+        list of them, then generate."""
+        return self.generate(self._chat_prompts(messages, add_generation_prompt, chat_template), sampling_params,
+                             use_tqdm)
+
+    def generate_stream(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                        *, stream_interval: int = DEFAULT_STREAM_INTERVAL) -> Iterator[StreamOutput]:
+        """generate() streamed: StreamOutputs as tokens come, every `stream_interval` loop steps (a step emits
+        1 to k + 1 tokens per row). Each carries one completion's new token ids and text; the deltas of a
+        completion concatenate to generate's token_ids and text (stop strings, EOS and max_tokens alike), and
+        a request's last update carries the RequestOutput generate returns for it. Requests run in the waves
+        generate runs; the input is checked here, before the first update is asked for."""
+        arrival = time.time()
+        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an int >= 1 (loop steps per update), got "
+                             f"{_shown(stream_interval)}")
+        return self._stream(*self._checked(prompts, sampling_params), stream_interval, arrival)
+
+    def chat_stream(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                    *, stream_interval: int = DEFAULT_STREAM_INTERVAL, add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> Iterator[StreamOutput]:
+        """chat() streamed, as generate_stream streams generate()."""
+        return self.generate_stream(self._chat_prompts(messages, add_generation_prompt, chat_template),
+                                    sampling_params, stream_interval=stream_interval)
+
+    def get_metrics(self) -> list:
+        """vLLM's speculative-decoding counters over every request so far (empty without speculation)."""
+        if self.config.speculative is None:
+            return []
+        return spec_decode_metrics(*(int(x) for x in self._totals), self._totals_per_pos.tolist())
+
+    def _checked(self, prompts, sampling_params) -> tuple[list, list[list[int]], list[SamplingParams]]:
+        """(prompts, their token ids, their SamplingParams), every request checked before any work."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -94,64 +148,94 @@ class LLM:
         for i, (ids, params) in enumerate(zip(token_lists, params_list)):
             self._check_prompt(i, ids)
             self._check_logprobs(i, params)
-        return self._run(prompt_list, token_lists, params_list, use_tqdm, arrival)
+        return prompt_list, token_lists, params_list
 
-    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation (a list of {"role", "content"} dicts) or a
-        list of them, then generate."""
+    def _chat_prompts(self, messages, add_generation_prompt: bool, chat_template: str | None) -> list[dict]:
         conversations = _as_conversations(messages)
         prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                       chat_template=chat_template) for c in conversations]
-        token_lists = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        return self.generate([{"prompt_token_ids": ids, "prompt": p} for ids, p in zip(token_lists, prompts)],
-                             sampling_params, use_tqdm)
+        return [{"prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False), "prompt": p}
+                for p in prompts]
 
-    def get_metrics(self) -> list:
-        """vLLM's speculative-decoding counters over every request so far (empty without speculation)."""
-        if self.config.speculative is None:
-            return []
-        return spec_decode_metrics(*(int(x) for x in self._totals), self._totals_per_pos.tolist())
-
-    def _run(self, prompt_list, token_lists, params_list, use_tqdm, arrival: float) -> list[RequestOutput]:
+    def _requests(self, token_lists, params_list) -> tuple[list[Request], list[int]]:
+        """One single-sample request per completion, and the prompt each belongs to."""
         requests, owners = [], []
         for i, (ids, params) in enumerate(zip(token_lists, params_list)):
             for child in child_params(params):
                 requests.append(Request(ids, child, self._requests_seen))
                 owners.append(i)
                 self._requests_seen += 1
-        results: list[RowResult] = []
-        spans: list[tuple[float, float]] = []   # each request's wave: (started, returned)
+        return requests, owners
+
+    def _run(self, prompt_list, token_lists, params_list, use_tqdm, arrival: float) -> list[RequestOutput]:
+        requests, owners = self._requests(token_lists, params_list)
+        finished: list[list[_Finished]] = [[] for _ in prompt_list]
         with tqdm(total=len(requests), disable=not use_tqdm, desc="Processed prompts") as bar:
-            for wave in self._runner.waves(requests):
+            for start, wave in self._waves(requests):
                 started = time.time()
-                results.extend(self._runner.run_wave(wave))
-                spans.extend([(started, time.time())] * len(wave))
+                results = self._runner.run_wave(wave)
+                span = (started, time.time())
+                for owner, request, result in zip(owners[start:], wave, results):
+                    finished[owner].append(_Finished(request, result, span))
                 bar.update(len(wave))
-        outputs = [RequestOutput(request_id=str(i), prompt=_prompt_text(p), prompt_token_ids=ids, outputs=[])
-                   for i, (p, ids) in enumerate(zip(prompt_list, token_lists))]
-        waves_of: list[set[tuple[float, float]]] = [set() for _ in outputs]
-        for owner, request, result, span in zip(owners, requests, results, spans):
-            completion = self._completion(len(outputs[owner].outputs), request, result)
-            outputs[owner].outputs.append(completion)
-            if result.prompt_logprobs is not None and outputs[owner].prompt_logprobs is None:
-                outputs[owner].prompt_logprobs = self._prompt_logprobs(request.prompt_token_ids, result)
-            waves_of[owner].add(span)
-            self._count(result)
-        for out, waves in zip(outputs, waves_of):
-            out.metrics = _request_metrics(arrival, sorted(waves))
-        return outputs
+        return [self._request_output(i, p, ids, done, arrival)
+                for i, (p, ids, done) in enumerate(zip(prompt_list, token_lists, finished))]
+
+    def _stream(self, prompt_list, token_lists, params_list, stream_interval: int,
+                arrival: float) -> Iterator[StreamOutput]:
+        requests, owners = self._requests(token_lists, params_list)
+        child = _completion_indices(owners)
+        finished: list[list[_Finished]] = [[] for _ in prompt_list]
+        for start, wave in self._waves(requests):
+            started = time.time()
+            streams = [TextStream(functools.partial(self._finished_row, r), r.params.stop or [],
+                                  r.params.include_stop_str_in_output) for r in wave]
+            names = [(str(owners[j]), child[j]) for j in range(start, start + len(wave))]
+            for chunk in self._runner.stream_wave(wave, stream_interval):
+                yield from _deltas(streams, chunk, names)
+            span = (started, time.time())
+            for j, request, result in zip(range(start, start + len(wave)), wave, chunk.results):
+                owner = owners[j]
+                finished[owner].append(_Finished(request, result, span))
+                if len(finished[owner]) == params_list[owner].n:
+                    yield StreamOutput(str(owner), child[j], [], "", True, self._request_output(
+                        owner, prompt_list[owner], token_lists[owner], finished[owner], arrival))
+
+    def _waves(self, requests: list[Request]) -> Iterator[tuple[int, list[Request]]]:
+        """The runner's waves, each with the index of its first request."""
+        start = 0
+        for wave in self._runner.waves(requests):
+            yield start, wave
+            start += len(wave)
+
+    def _request_output(self, index: int, prompt, prompt_token_ids: list[int], finished: list[_Finished],
+                        arrival: float) -> RequestOutput:
+        """A prompt's RequestOutput from its completions' results (counted into get_metrics here)."""
+        out = RequestOutput(request_id=str(index), prompt=_prompt_text(prompt), prompt_token_ids=prompt_token_ids,
+                            outputs=[self._completion(n, f.request, f.result) for n, f in enumerate(finished)],
+                            metrics=_request_metrics(arrival, sorted({f.span for f in finished})))
+        asked = [f for f in finished if f.result.prompt_logprobs is not None]
+        if asked:
+            out.prompt_logprobs = self._prompt_logprobs(prompt_token_ids, asked[0].result)
+        for f in finished:
+            self._count(f.result)
+        return out
+
+    def _finished_row(self, request: Request, token_ids: Sequence[int], done: bool = True) -> FinishedRow:
+        """The row's text, kept tokens and finish reason had it ended after token_ids; done: the loop ended it
+        (so a stop token there is its finish), else only a stop string can have."""
+        p = request.params
+        finish_reason, stop_reason = token_finish_reason(
+            token_ids, eos_token_id=self._primary_eos, ignore_eos=p.ignore_eos,
+            stop_token_ids=list(p.stop_token_ids or []) + self._extra_eos_ids(p)) if done else (None, None)
+        return apply_stop_strings(
+            token_ids, self.tokenizer, p.stop or [], include_stop_str_in_output=p.include_stop_str_in_output,
+            skip_special_tokens=p.skip_special_tokens, finish_reason=finish_reason, stop_reason=stop_reason,
+            min_tokens=p.min_tokens, prompt_token_ids=request.prompt_token_ids)
 
     def _completion(self, index: int, request: Request, r: RowResult) -> CompletionOutput:
         p = request.params
-        finish_reason, stop_reason = token_finish_reason(
-            r.token_ids, eos_token_id=self._primary_eos, ignore_eos=p.ignore_eos,
-            stop_token_ids=list(p.stop_token_ids or []) + self._extra_eos_ids(p))
-        text, kept, finish_reason, stop_reason = apply_stop_strings(
-            r.token_ids, self.tokenizer, p.stop or [], include_stop_str_in_output=p.include_stop_str_in_output,
-            skip_special_tokens=p.skip_special_tokens, finish_reason=finish_reason, stop_reason=stop_reason,
-            min_tokens=p.min_tokens, prompt_token_ids=request.prompt_token_ids)
+        text, kept, finish_reason, stop_reason = self._finished_row(request, r.token_ids)
         n = len(kept)
         logprobs = [self._logprob_entry(r.logprobs, t, kept[t]) for t in range(n)] if p.logprobs is not None else None
         return CompletionOutput(
@@ -295,6 +379,24 @@ def _as_conversations(messages) -> list[list[Mapping]]:
                 raise TypeError(f"conversation {i}, message {j} must be a dict with a string 'role' and a "
                                 f"'content' (e.g. {example[1:-1]}), got {_shown(message)}")
     return conversations
+
+
+def _deltas(streams: list[TextStream], chunk: WaveChunk, names: list[tuple[str, int]]) -> Iterator[StreamOutput]:
+    """What one chunk brings each row's completion (named (request_id, index)) that was not finished before."""
+    for stream, tokens, done, (request_id, index) in zip(streams, chunk.token_ids, chunk.done, names):
+        if stream.finished:
+            continue
+        delta = stream.update(tokens, done)
+        if delta.token_ids or delta.text or delta.finished:
+            yield StreamOutput(request_id, index, *delta)
+
+
+def _completion_indices(owners: list[int]) -> list[int]:
+    """Each request's index among its prompt's completions (a prompt's requests are consecutive)."""
+    indices: list[int] = []
+    for j, owner in enumerate(owners):
+        indices.append(indices[-1] + 1 if j and owners[j - 1] == owner else 0)
+    return indices
 
 
 def _request_metrics(arrival: float, waves: list[tuple[float, float]]) -> RequestMetrics:

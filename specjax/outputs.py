@@ -100,6 +100,8 @@ class RequestMetrics:
     finished_time: when the last wave running one of its samples returned. time_in_queue: first_scheduled_time
     - arrival_time (the checks, tokenization and earlier waves before it). model_execute_time: the summed wall
     time of its waves (padding, the jitted prefill and decode loop, compilation on a first call, reading back).
+    Streamed requests are timed the same way, by their waves (their first tokens come before first_token_time;
+    a wave's time then includes the caller's between updates).
     """
 
     arrival_time: float
@@ -179,3 +181,22 @@ def spec_decode_metrics(num_drafts: int, num_draft_tokens: int, num_accepted: in
         Counter(name=NUM_ACCEPTED_TOKENS, labels=dict(base), value=int(num_accepted)),
         Vector(name=NUM_ACCEPTED_TOKENS_PER_POS, labels=dict(base), values=per_pos),
     ]
+
+
+@dataclasses.dataclass
+class StreamOutput:
+    """One update of `LLM.generate_stream` / `chat_stream`: what one completion added since its last update.
+
+    request_id: the prompt's, as generate's RequestOutput numbers it (its index in the prompts given).
+    index: which of the prompt's n completions. token_ids, text: the new token ids and text (either may be empty:
+    text waits for a whole character, and for a stop string it could still become). finished: the completion is
+    complete (it gets no more tokens). output: on the prompt's last update only (no new tokens then), the
+    RequestOutput generate returns for it.
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    finished: bool
+    output: RequestOutput | None = None

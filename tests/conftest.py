@@ -1,6 +1,7 @@
 """Shared fixtures: the embedded default model, and tiny random HF checkpoints of each Llama-family variant."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,24 @@ def default_model_dir() -> Path:
     from specjax.default_model import default_model_dir as resolve
 
     return resolve()
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, default_model_dir) -> Path:
+    """A tiny random Llama with the default model's tokenizer and chat template (vocabulary included), so
+    chat, bench, train and streaming run in seconds."""
+    import torch
+    import transformers
+
+    out = tmp_path_factory.mktemp("tiny_chat_llama")
+    # Four layers: EAGLE-3 reads layers 2, L/2 and L-3 of the target.
+    config = transformers.LlamaConfig(**{**TINY_COMMON, "vocab_size": 49152, "max_position_embeddings": 512,
+                                         "num_hidden_layers": 4})
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(default_model_dir / name, out / name)
+    return out
 
 
 @pytest.fixture(scope="session")

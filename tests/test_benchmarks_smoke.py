@@ -21,7 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LANES = (("bench_default_model", "bench_eagle", "bench_transformers", "bench_projection", "bench_deepseek"),
-         ("bench_engine", "bench_tp", "bench_attention", "bench_prefill", "bench_sampling"))
+         ("bench_engine", "bench_tp", "bench_attention", "bench_prefill", "bench_sampling", "bench_stream"))
 SCRIPTS = sorted(name for lane in LANES for name in lane)
 REAL_MODEL = ("bench_default_model", "bench_eagle")
 # Extra environment per script: bench_tp splits its model over two (simulated) CPU devices.
@@ -48,6 +48,7 @@ EXPECTED_ROWS = {
     "bench_tp": {"bench_tp": ("tp", [1, 2])},
     "bench_deepseek": {"bench_deepseek_v3_step": ("batch", [1]), "bench_deepseek_v2_e2e": ("batch", [1]),
                        "bench_deepseek_mtp": ("al", [1.5])},
+    "bench_stream": {"bench_stream": ("mode", ["generate", "generate_stream"])},
     "bench_prefill": {"bench_prefill": ("shape", ["8b", "smollm2"]), "bench_prefill_model": ("tokens", [16, 32])},
 }
 

@@ -5,37 +5,17 @@ from __future__ import annotations
 import io
 import json
 import runpy
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY_COMMON
 
 from checkpoints_conv import is_orbax_checkpoint
 from specjax import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = ["--temperature", "0"]
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_model(tmp_path_factory, default_model_dir) -> Path:
-    """A tiny random Llama with the default model's tokenizer and chat template (vocabulary included), so
-    chat, bench and train run in seconds."""
-    import torch
-    import transformers
-
-    out = tmp_path_factory.mktemp("tiny_chat_llama")
-    # Four layers: EAGLE-3 reads layers 2, L/2 and L-3 of the target.
-    config = transformers.LlamaConfig(**{**TINY_COMMON, "vocab_size": 49152, "max_position_embeddings": 512,
-                                         "num_hidden_layers": 4})
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(default_model_dir / name, out / name)
-    return out
 
 
 def test_help_loads_no_jax():
@@ -155,6 +135,15 @@ def test_chat_keeps_the_conversation_and_resets(tiny_chat_model, monkeypatch, ca
     assert seen == [["Be brief.", "What is 2+2?"], ["Be brief.", "What is 2+2?", replies[0], "And times 3?"],
                     ["Be brief.", "Hi"]]
     assert capsys.readouterr().out == "".join(text.strip() + "\n" for text in replies)
+
+
+def test_chat_prints_a_reply_as_it_comes_trimmed_as_a_whole(capsys):
+    printer, shown = cli.TrimmedPrinter(), []
+    for piece in ["\n ", "Hello", " ", "", "wor", "ld", " \n", "\n"]:
+        printer.write(piece)
+        shown.append(capsys.readouterr().out)
+    printer.end()
+    assert shown == ["", "Hello", "", "", " wor", "ld", "", ""] and capsys.readouterr().out == "\n"
 
 
 def test_bench_latency_and_throughput(tiny_chat_model, tmp_path, capsys):

@@ -1,5 +1,6 @@
 """One jitted call per wave of requests: batched prefill, then ONE lax.while_loop of
 propose -> verify -> accept -> commit -> observe. Plain decoding is the same loop with k = 0.
+Streaming runs the same prefill and loop as two jitted functions, the loop in bounded chunks (build_stream).
 `observe` hands the proposer the target's hidden states of the pass just committed (EAGLE reads them).
 Penalties (when the rows carry them) are applied at every verify position to the counts a plain step would
 see there: the committed tokens plus the drafts before that position, which are committed when it matters.
@@ -47,10 +48,41 @@ def build_generate(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpe
         target = nnx.merge(target_graph, target_state)
         with _exact_matmuls(target.embed[...].dtype):
             state = _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec)
-            step = _step_fn(target, proposer, draft_state, rows, spec, synthetic_rates)
-            return jax.lax.while_loop(lambda s: jnp.any(~s.done), step, state)
+            return _decode(target, proposer, draft_state, state, rows, spec, synthetic_rates)
 
     return generate if mesh is None else sharded_generate(generate, mesh)
+
+
+def build_stream(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpec) -> tuple[Callable, Callable]:
+    """build_generate's loop cut where the host can look in: (prefill, advance). prefill(target_state,
+    draft_state, prompt_tokens, prompt_lengths, rows, cache_len) -> the LoopState after the first token;
+    advance(target_state, draft_state, state, rows, max_steps, synthetic_rates=None) -> the state after at most
+    max_steps more iterations (fewer once every row is done). max_steps is traced, so any chunk size runs the
+    same executable; chaining advance until every row is done runs the very steps generate runs. One device
+    (sharded_generate does not hand the proposer's carry back out)."""
+
+    def prefill(target_state, draft_state, prompt_tokens, prompt_lengths, rows: RowParams, cache_len: int):
+        target = nnx.merge(target_graph, target_state)
+        with _exact_matmuls(target.embed[...].dtype):
+            return _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec)
+
+    def advance(target_state, draft_state, state: LoopState, rows: RowParams, max_steps: jax.Array,
+                synthetic_rates: jax.Array | None = None):
+        target = nnx.merge(target_graph, target_state)
+        with _exact_matmuls(target.embed[...].dtype):
+            return _decode(target, proposer, draft_state, state, rows, spec, synthetic_rates, max_steps)
+
+    return prefill, advance
+
+
+def _decode(target, proposer, draft_state, state: LoopState, rows: RowParams, spec: LoopSpec, synthetic_rates,
+            max_steps: jax.Array | None = None) -> LoopState:
+    """The step repeated while a row is running, and (when max_steps is given) at most max_steps times."""
+    step = _step_fn(target, proposer, draft_state, rows, spec, synthetic_rates)
+    if max_steps is None:
+        return jax.lax.while_loop(lambda s: jnp.any(~s.done), step, state)
+    stop_at = state.steps + max_steps
+    return jax.lax.while_loop(lambda s: jnp.any(~s.done) & (s.steps < stop_at), step, state)
 
 
 def jit_generate(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpec, *, mesh: Mesh | None = None,
@@ -61,6 +93,16 @@ def jit_generate(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpec,
     options = loop_compiler_options() if compiler_options is None else compiler_options
     return jax.jit(build_generate(target_graph, proposer, spec, mesh=mesh), static_argnums=(5,),
                    compiler_options=options)
+
+
+def jit_stream(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpec, *,
+               compiler_options: dict[str, str] | None = None) -> tuple[Callable, Callable]:
+    """build_stream's (prefill, advance) jitted as the runner streams with them: prefill's `cache_len` static;
+    advance donates the state it is given, so a chunk updates the KV caches in place rather than copying them."""
+    options = loop_compiler_options() if compiler_options is None else compiler_options
+    prefill, advance = build_stream(target_graph, proposer, spec)
+    return (jax.jit(prefill, static_argnums=(5,), compiler_options=options),
+            jax.jit(advance, donate_argnums=(2,), compiler_options=options))
 
 
 def loop_compiler_options() -> dict[str, str]:

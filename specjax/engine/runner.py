@@ -1,5 +1,6 @@
 """Host side of generation: group requests into waves, pad them to shape buckets, run the jitted loop once
-per wave, and hand back each row's tokens, logprobs (generated and prompt) and speculative counters."""
+per wave (or, streaming, in chunks), and hand back each row's tokens, logprobs (generated and prompt) and
+speculative counters."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from specjax.config import EngineConfig, SpeculativeConfig
-from specjax.engine.loop import LoopSpec, eager_compiler_options, jit_generate
+from specjax.engine.loop import LoopSpec, eager_compiler_options, jit_generate, jit_stream
 from specjax.engine.proposers.base import Proposer
 from specjax.engine.rows import row_params
 from specjax.engine.shapes import MIN_PROMPT_BUCKET, bucket, buffer_len
@@ -37,6 +38,15 @@ class RowResult:
     accepted_per_pos: list[int]
 
 
+@dataclasses.dataclass(frozen=True)
+class WaveChunk:
+    """What the host sees of a wave after one streamed chunk: each request's generated tokens so far and
+    whether the loop has finished it; `results` (what run_wave returns) on the wave's last chunk only."""
+    token_ids: list[list[int]]
+    done: list[bool]
+    results: list[RowResult] | None = None
+
+
 class WaveRunner:
     def __init__(self, target_graph: nnx.GraphDef, target_state: Any, proposer: Proposer, draft_state: Any,
                  config: EngineConfig, *, eos_token_ids: Sequence[int], vocab_size: int, mesh: Mesh | None = None):
@@ -48,7 +58,8 @@ class WaveRunner:
         self.eos_token_ids, self.vocab_size = tuple(eos_token_ids), vocab_size
         self.synthetic_rates = synthetic_rates(config.speculative)
         self.mesh = mesh
-        self._compiled: dict[tuple[int, bool], Any] = {}
+        self._compiled: dict[tuple, Any] = {}   # LoopSpec fields -> jitted generate
+        self._streamed: dict[tuple, Any] = {}   # LoopSpec fields -> jitted (prefill, advance)
 
     def waves(self, requests: Sequence[Request]) -> Iterator[list[Request]]:
         step = self.config.max_num_seqs
@@ -56,30 +67,60 @@ class WaveRunner:
             yield list(requests[i:i + step])
 
     def run_wave(self, wave: Sequence[Request]) -> list[RowResult]:
-        n_top = max((_num_top(r.params.logprobs, self.vocab_size) for r in wave), default=0)
-        ranks = any(r.params.logprobs is not None for r in wave)
-        asked = [_num_top(r.params.prompt_logprobs, self.vocab_size) for r in wave
-                 if r.params.prompt_logprobs is not None]
         prompts, lengths, rows, cache_len = self._pack(wave)
-        greedy = bool(np.all(rows.temperature < GREEDY_TEMPERATURE_EPS))
-        fn = self.generate_fn(n_top, greedy, ranks, max(asked) if asked else None)
+        fn = self.generate_fn(*_spec_key(wave, rows, self.vocab_size))
         state = fn(self.target_state, self.draft_state, prompts, lengths, rows, cache_len, self.synthetic_rates)
-        # Only what the host reads: the KV caches and token counts stay on device (and are not addressable from
-        # one process when the mesh spans hosts).
-        return _unpack(jax.device_get(dataclasses.replace(state, cache=None, proposer=None, counts=None)), wave,
-                       self.vocab_size)
+        return self._results(state, wave)
+
+    def stream_wave(self, wave: Sequence[Request], stream_interval: int) -> Iterator[WaveChunk]:
+        """The wave run in chunks of at most `stream_interval` loop iterations: a WaveChunk after the prefill
+        and after each chunk, the last one with the results. The same steps as run_wave, hence the same tokens.
+        Over a mesh the wave runs in one call (one chunk): the sharded loop keeps the proposer's carry inside."""
+        if self.mesh is not None:
+            results = self.run_wave(wave)
+            yield WaveChunk([r.token_ids for r in results], [True] * len(wave), results)
+            return
+        prompts, lengths, rows, cache_len = self._pack(wave)
+        prefill, advance = self.stream_fns(*_spec_key(wave, rows, self.vocab_size))
+        state = prefill(self.target_state, self.draft_state, prompts, lengths, rows, cache_len)
+        interval = np.int32(stream_interval)
+        while True:
+            chunk = _progress(state, len(wave))
+            if all(chunk.done):
+                yield dataclasses.replace(chunk, results=self._results(state, wave))
+                return
+            yield chunk
+            state = advance(self.target_state, self.draft_state, state, rows, interval, self.synthetic_rates)
 
     def generate_fn(self, n_top: int, greedy: bool, ranks: bool = False, prompt_top: int | None = None):
         """One jitted function per LoopSpec (top logprobs, all rows greedy, ranks, prompt logprobs); jit itself
         caches one executable per shape bucket. enforce_eager compiles it without CUDA graphs."""
         key = (n_top, greedy, ranks, prompt_top)
         if key not in self._compiled:
-            spec = LoopSpec(k=self.proposer.k, n_top=n_top, max_model_len=self.config.max_model_len, greedy=greedy,
-                            ranks=ranks, prompt_top=prompt_top)
-            options = eager_compiler_options() if self.config.enforce_eager else None
-            self._compiled[key] = jit_generate(self.target_graph, self.proposer, spec, mesh=self.mesh,
-                                               compiler_options=options)
+            self._compiled[key] = jit_generate(self.target_graph, self.proposer, self._spec(*key), mesh=self.mesh,
+                                               compiler_options=self._options())
         return self._compiled[key]
+
+    def stream_fns(self, n_top: int, greedy: bool, ranks: bool = False, prompt_top: int | None = None):
+        """generate_fn's (prefill, advance) pair for streaming, cached and compiled the same way."""
+        key = (n_top, greedy, ranks, prompt_top)
+        if key not in self._streamed:
+            self._streamed[key] = jit_stream(self.target_graph, self.proposer, self._spec(*key),
+                                             compiler_options=self._options())
+        return self._streamed[key]
+
+    def _spec(self, n_top: int, greedy: bool, ranks: bool, prompt_top: int | None) -> LoopSpec:
+        return LoopSpec(k=self.proposer.k, n_top=n_top, max_model_len=self.config.max_model_len, greedy=greedy,
+                        ranks=ranks, prompt_top=prompt_top)
+
+    def _options(self) -> dict[str, str] | None:
+        return eager_compiler_options() if self.config.enforce_eager else None
+
+    def _results(self, state: LoopState, wave: Sequence[Request]) -> list[RowResult]:
+        # Only what the host reads: the KV caches and token counts stay on device (and are not addressable from
+        # one process when the mesh spans hosts).
+        return _unpack(jax.device_get(dataclasses.replace(state, cache=None, proposer=None, counts=None)), wave,
+                       self.vocab_size)
 
     def _pack(self, wave: Sequence[Request]) -> tuple[np.ndarray, np.ndarray, RowParams, int]:
         max_len = self.config.max_model_len
@@ -112,6 +153,23 @@ class WaveRunner:
     def _max_new(self, r: Request) -> int:
         room = self.config.max_model_len - len(r.prompt_token_ids)
         return room if r.params.max_tokens is None else min(r.params.max_tokens, room)
+
+
+def _spec_key(wave: Sequence[Request], rows: RowParams, vocab_size: int) -> tuple[int, bool, bool, int | None]:
+    """What the wave's loop is specialised on: (top logprobs, all rows greedy, ranks, prompt logprobs' top)."""
+    n_top = max((_num_top(r.params.logprobs, vocab_size) for r in wave), default=0)
+    ranks = any(r.params.logprobs is not None for r in wave)
+    asked = [_num_top(r.params.prompt_logprobs, vocab_size) for r in wave if r.params.prompt_logprobs is not None]
+    greedy = bool(np.all(rows.temperature < GREEDY_TEMPERATURE_EPS))
+    return n_top, greedy, ranks, max(asked) if asked else None
+
+
+def _progress(state: LoopState, n_rows: int) -> WaveChunk:
+    """The wave's requests' tokens so far, copied to host lists (the next chunk donates the state's buffers)."""
+    tokens, lengths, prompt_lengths, done = jax.device_get((state.tokens, state.lengths, state.prompt_lengths,
+                                                            state.done))
+    return WaveChunk([tokens[b, prompt_lengths[b]:lengths[b]].tolist() for b in range(n_rows)],
+                     [bool(d) for d in done[:n_rows]])
 
 
 def synthetic_rates(spec: SpeculativeConfig | None) -> np.ndarray | None:
