@@ -23,4 +23,4 @@ demo: $(VENV)/.demo-installed
 	$(PY) -m specjax.demo
 
 test: $(VENV)/.test-installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
