@@ -22,5 +22,7 @@ $(VENV)/.test-installed: pyproject.toml | $(PY)
 demo: $(VENV)/.demo-installed
 	$(PY) -m specjax.demo
 
+# Two workers (CI has two cores; a test mostly compiles, on one core), a file each at a time so that module
+# fixtures are built once; the slowest tests are listed at the end.
 test: $(VENV)/.test-installed
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
