@@ -71,7 +71,7 @@ def test_tensor_parallel_suite_on_8_cpu_devices():
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE)],
-                         cwd=HERE.parent.parent, env=env, capture_output=True, text=True, timeout=1200)
+                         cwd=HERE.parent.parent, env=env, capture_output=True, text=True, timeout=2700)
     report = run.stdout[-6000:] + run.stderr[-3000:]
     assert run.returncode == 0, report
     counts = dict((kind, int(n)) for n, kind in re.findall(r"(\d+) (passed|skipped|failed|error)", run.stdout))
