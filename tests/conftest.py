@@ -1,24 +1,25 @@
 """Shared fixtures: the embedded default model, and tiny random HF checkpoints of each Llama-family variant."""
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import jax
 import pytest
 
+from specjax.default_model import cache_root
+
 
 def pytest_configure(config):
-    """One persistent JAX compilation cache for the run, shared by its xdist workers: tests build many LLMs whose
-    loops are the same programs, and each new LLM's jit would otherwise compile them again."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    folder = Path(tempfile.gettempdir()) / f"specjax-tests-jax-cache-{run}" if run else Path(tempfile.mkdtemp())
-    folder.mkdir(exist_ok=True)
+    """A persistent JAX compilation cache, shared by the xdist workers and by later runs: tests build many LLMs
+    whose loops are the same programs, and each new LLM's jit would otherwise compile them again. Entries are
+    keyed by the program, its options and the JAX version, so a stale entry is never used."""
+    folder = cache_root() / "jax-cache-tests"
+    folder.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 
 TINY_COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
