@@ -91,7 +91,7 @@ def take(w: jax.Array, ids: jax.Array) -> jax.Array:
     """w[ids] on the leading axis, reading only those slices. A float8 gather goes through its bytes: XLA
     converts a float8 gather's whole operand to a wider float first (on the GPU, a 42 GiB buffer for DeepSeek-V3's
     experts of one layer)."""
-    if w.dtype != jnp.float8_e4m3fn:
+    if not (jnp.issubdtype(w.dtype, jnp.floating) and w.dtype.itemsize == 1):   # any float8 format
         return w[ids]
     return lax.bitcast_convert_type(lax.bitcast_convert_type(w, jnp.uint8)[ids], w.dtype)
 
