@@ -23,7 +23,8 @@ from checkpoints_conv.mtp_loader import load_mtp_head
 from checkpoints_conv.orbax_io import load_checkpoint
 from specjax.config import EngineConfig, SpeculativeConfig, check_draft_compatible, check_kv_cache_fits
 from specjax.config.dtypes import NUMPY_DTYPES
-from specjax.engine.proposers.base import NoProposer, Proposer
+from specjax.config.speculation_policy import PROBE_EVERY
+from specjax.engine.proposers.base import NoProposer, Proposer, spare_slots
 from specjax.engine.proposers.draft_model import DraftModelProposer
 from specjax.engine.proposers.eagle import HeadProposer
 from specjax.engine.proposers.ngram import NgramProposer
@@ -158,8 +159,10 @@ def _mtp(spec: SpeculativeConfig, target: Target, unroll_layers: bool | None) ->
 
 def _head_proposer(head: Any, spec: SpeculativeConfig, target: Target) -> tuple[Proposer, Any]:
     graph, state = nnx.split(head)
+    features = target.cfg.hidden_size * max(1, len(head.capture_layers))
     proposer = HeadProposer(graph, head, spec.num_speculative_tokens,
-                            probabilistic=spec.draft_sample_method == "probabilistic")
+                            probabilistic=spec.draft_sample_method == "probabilistic", feature_size=features,
+                            catch_up_window=PROBE_EVERY if spec.policy.adaptive else 0)
     if target.mesh is None:
         return proposer, state
     return Replicated(proposer), replicate_onto(state, target.mesh)
@@ -173,7 +176,7 @@ PROPOSER_BUILDERS: dict[str, Builder] = {"ngram": _ngram, "draft_model": _draft_
 def check_caches_fit(config: EngineConfig, target: Target, proposer: Proposer, free_bytes: int) -> None:
     """Every cache a wave of max_num_seqs rows at max_model_len allocates (the target's, split over the mesh,
     and the proposer's), against `free_bytes`, the device memory left after the weights."""
-    slots = buffer_len(config.max_model_len, config.max_model_len, 0, proposer.k, config.max_model_len)
+    slots = buffer_len(config.max_model_len, config.max_model_len, 0, spare_slots(proposer), config.max_model_len)
     need = (target.module.cache_bytes(config.max_num_seqs, slots, config.tensor_parallel_size)
             + proposer.cache_bytes(config.max_num_seqs, slots))
     check_kv_cache_fits(need, free_bytes, config.gpu_memory_utilization,

@@ -18,12 +18,12 @@ from tqdm.auto import tqdm
 from specjax.build import build_engine
 from specjax.config import EngineConfig
 from specjax.default_model import DEFAULT_MODEL
-from specjax.engine.runner import Request, RowResult, WaveChunk, WaveRunner
+from specjax.engine.runner import Request, RowResult, WaveChunk, WaveRunner, WaveTrace
 from specjax.engine.state import TokenLogprobs
 from specjax.engine.stop_strings import FinishedRow, apply_stop_strings, token_finish_reason
 from specjax.engine.stream_text import TextStream
 from specjax.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput, StreamOutput,
-                             spec_decode_metrics)
+                             adaptive_metrics, spec_decode_metrics)
 from specjax.sampling_params import SamplingParams, child_params
 
 # The keys of vLLM's text and token prompts that specjax reads; other keys are ignored, as vLLM does, except those
@@ -75,7 +75,7 @@ class LLM:
         self._default_sampling_params = engine.sampling_defaults
         self._runner = WaveRunner(self.target_graph, self.params, self.proposer, self.draft_params, self.config,
                                   eos_token_ids=self.eos_token_ids, vocab_size=self.model_config.vocab_size,
-                                  mesh=self.mesh)
+                                  mesh=self.mesh, cost_key=_cost_key(engine.model_dir, self.config))
         self._requests_seen = 0
         self._totals = np.zeros(3, np.int64)
         self._totals_per_pos = np.zeros(max(self.proposer.k, 0), np.int64)
@@ -136,7 +136,18 @@ class LLM:
         """vLLM's speculative-decoding counters over every request so far (empty without speculation)."""
         if self.config.speculative is None:
             return []
-        return spec_decode_metrics(*(int(x) for x in self._totals), self._totals_per_pos.tolist())
+        metrics = spec_decode_metrics(*(int(x) for x in self._totals), self._totals_per_pos.tolist())
+        if self._runner.policy is None:
+            return metrics
+        traces = self._runner.traces
+        per_k = np.bincount([k for t in traces for k in t.k_per_step], minlength=self.proposer.k + 1)
+        return metrics + adaptive_metrics(per_k.tolist(), sum(sum(t.live_per_step) for t in traces),
+                                          sum(t.slots * len(t.k_per_step) for t in traces))
+
+    def speculation_trace(self) -> list[WaveTrace]:
+        """Adaptive speculation's record of each wave so far: its slots, and per loop iteration the k drafted
+        and the rows running (empty for a fixed k)."""
+        return list(self._runner.traces)
 
     def _checked(self, prompts, sampling_params) -> tuple[list, list[list[int]], list[SamplingParams]]:
         """(prompts, their token ids, their SamplingParams), every request checked before any work."""
@@ -397,6 +408,15 @@ def _completion_indices(owners: list[int]) -> list[int]:
     for j, owner in enumerate(owners):
         indices.append(indices[-1] + 1 if j and owners[j - 1] == owner else 0)
     return indices
+
+
+def _cost_key(model_dir, config) -> str:
+    """What names this engine's model and proposer among stored step times."""
+    spec = config.speculative
+    if spec is None:
+        return str(model_dir)
+    return "|".join(map(str, (model_dir, config.dtype, config.tensor_parallel_size, spec.method, spec.model,
+                              spec.num_speculative_tokens, spec.draft_sample_method)))
 
 
 def _request_metrics(arrival: float, waves: list[tuple[float, float]]) -> RequestMetrics:

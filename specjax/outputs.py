@@ -22,6 +22,11 @@ NUM_DRAFTS = "vllm:spec_decode_num_drafts"
 NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
 NUM_ACCEPTED_TOKENS_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+# Adaptive speculation's record (specjax's own): loop iterations run at each k = 0, 1, ..., and the running rows
+# and compiled slots summed over iterations (their ratio is the slots' occupancy).
+ITERATIONS_PER_K = "specjax:spec_decode_iterations_per_k"
+LIVE_ROW_ITERATIONS = "specjax:spec_decode_live_row_iterations"
+SLOT_ITERATIONS = "specjax:spec_decode_slot_iterations"
 
 
 def mean_acceptance_length(num_drafts: int, num_accepted_tokens: int) -> float:
@@ -181,6 +186,13 @@ def spec_decode_metrics(num_drafts: int, num_draft_tokens: int, num_accepted: in
         Counter(name=NUM_ACCEPTED_TOKENS, labels=dict(base), value=int(num_accepted)),
         Vector(name=NUM_ACCEPTED_TOKENS_PER_POS, labels=dict(base), values=per_pos),
     ]
+
+
+def adaptive_metrics(iterations_per_k: Sequence[int], live_row_iterations: int, slot_iterations: int) -> list[Metric]:
+    """What an adaptive loop adds to get_metrics: how often each k ran, and how full the slots were."""
+    return [Vector(name=ITERATIONS_PER_K, labels={}, values=[int(v) for v in iterations_per_k]),
+            Counter(name=LIVE_ROW_ITERATIONS, labels={}, value=int(live_row_iterations)),
+            Counter(name=SLOT_ITERATIONS, labels={}, value=int(slot_iterations))]
 
 
 @dataclasses.dataclass

@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from specjax.config.speculation_policy import SpeculationPolicy, parse_policy
 from specjax.config.validators import (ANY, check_int, check_optional_str, is_number, optional_bool,
                                        path_or_id)
 
@@ -25,6 +26,7 @@ SPEC_KEYS = (
     "method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
     "draft_tensor_parallel_size", "max_model_len", "revision", "enforce_eager", "draft_sample_method",
     "rejection_sample_method", "synthetic_acceptance_rates", "synthetic_acceptance_length",
+    "num_speculative_tokens_per_batch_size", "speculation_policy", "step_costs",
 )
 # vLLM speculative_config keys for its CUDA engine: accepted only at these neutral values.
 SPEC_NO_EFFECT_KEYS: dict[str, Any] = {
@@ -47,6 +49,7 @@ class SpeculativeConfig:
     enforce_eager: None inherits the target's setting.
     synthetic_acceptance_rates: when rejection_sample_method is "synthetic", the resolved
     per-position *unconditional* rates: entry i is P(the first i+1 drafts are all accepted).
+    policy: how many of num_speculative_tokens (the most) each iteration drafts (speculation_policy.py).
     """
 
     method: str
@@ -61,6 +64,11 @@ class SpeculativeConfig:
     draft_sample_method: str = "greedy"
     rejection_sample_method: str = "standard"
     synthetic_acceptance_rates: tuple[float, ...] | None = None
+    policy: SpeculationPolicy | None = None
+
+    def __post_init__(self):
+        if self.policy is None:
+            object.__setattr__(self, "policy", SpeculationPolicy("fixed", (self.num_speculative_tokens,)))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None, *, target_max_model_len: int,
@@ -94,6 +102,8 @@ class SpeculativeConfig:
             draft_sample_method=draft_sample, rejection_sample_method=rejection_sample,
             synthetic_acceptance_rates=_synthetic_rates(rejection_sample, k, d.get("synthetic_acceptance_rates"),
                                                         d.get("synthetic_acceptance_length")),
+            policy=parse_policy(d.get("speculation_policy"), d.get("num_speculative_tokens_per_batch_size"),
+                                d.get("step_costs"), k),
         )
 
     def synthetic_rates(self) -> tuple[float, ...] | None:

@@ -16,7 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from specjax.config.speculation_policy import SpeculationPolicy
 from specjax.engine import sampling
+from specjax.engine.adaptive import PolicyInputs, choose_tier, init_adapt, record
 from specjax.engine.proposers.base import Proposer, TargetPass
 from specjax.engine.rejection import rejection_sample
 from specjax.engine.state import LoopState, RowParams, SpecCounters, TokenCounts, TokenLogprobs
@@ -33,21 +35,24 @@ class LoopSpec:
     greedy: bool = False        # every row greedy: argmax only (no distributions, draws or batch-wide cond)
     ranks: bool = False         # rank each generated token in the vocabulary (vLLM's Logprob.rank)
     prompt_top: int | None = None   # prompt logprobs with this many top entries per token; None: none
+    policy: SpeculationPolicy | None = None   # adaptive speculation's tiers (k the most); None: k every step
 
 
 def build_generate(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpec, *,
                    mesh: Mesh | None = None) -> Callable:
     """A pure function (target_state, draft_state, prompt_tokens [B,P], prompt_lengths [B], rows, cache_len,
-    synthetic_rates=None) -> final LoopState, run tensor-parallel over `mesh` when given (the states placed
-    on it). `cache_len` is static: the wave's KV/token buffer length (shapes.buffer_len). `synthetic_rates`
-    (f32 [k], benchmarks only) replaces verification by acceptance at those conditional rates; it is an
-    argument rather than part of the spec so that sweeping rates does not recompile."""
+    synthetic_rates=None, policy=None) -> final LoopState, run tensor-parallel over `mesh` when given (the
+    states placed on it). `cache_len` is static: the wave's KV/token buffer length (shapes.buffer_len).
+    `synthetic_rates` (f32 [k], benchmarks only) replaces verification by acceptance at those conditional rates;
+    it is an argument rather than part of the spec so that sweeping rates does not recompile. `policy`
+    (PolicyInputs) is what an adaptive spec's tier choice reads: step costs, a forced tier."""
 
     def generate(target_state, draft_state, prompt_tokens, prompt_lengths, rows: RowParams, cache_len: int,
-                 synthetic_rates: jax.Array | None = None):
+                 synthetic_rates: jax.Array | None = None, policy: PolicyInputs | None = None):
         target = nnx.merge(target_graph, target_state)
         with _exact_matmuls(target.embed[...].dtype):
-            state = _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec)
+            state = _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec,
+                             policy)
             return _decode(target, proposer, draft_state, state, rows, spec, synthetic_rates)
 
     return generate if mesh is None else sharded_generate(generate, mesh)
@@ -55,16 +60,19 @@ def build_generate(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpe
 
 def build_stream(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpec) -> tuple[Callable, Callable]:
     """build_generate's loop cut where the host can look in: (prefill, advance). prefill(target_state,
-    draft_state, prompt_tokens, prompt_lengths, rows, cache_len) -> the LoopState after the first token;
+    draft_state, prompt_tokens, prompt_lengths, rows, cache_len, policy=None) -> the LoopState after the first
+    token;
     advance(target_state, draft_state, state, rows, max_steps, synthetic_rates=None) -> the state after at most
     max_steps more iterations (fewer once every row is done). max_steps is traced, so any chunk size runs the
     same executable; chaining advance until every row is done runs the very steps generate runs. One device
     (sharded_generate does not hand the proposer's carry back out)."""
 
-    def prefill(target_state, draft_state, prompt_tokens, prompt_lengths, rows: RowParams, cache_len: int):
+    def prefill(target_state, draft_state, prompt_tokens, prompt_lengths, rows: RowParams, cache_len: int,
+                policy: PolicyInputs | None = None):
         target = nnx.merge(target_graph, target_state)
         with _exact_matmuls(target.embed[...].dtype):
-            return _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec)
+            return _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec,
+                            policy)
 
     def advance(target_state, draft_state, state: LoopState, rows: RowParams, max_steps: jax.Array,
                 synthetic_rates: jax.Array | None = None):
@@ -130,7 +138,8 @@ def _exact_matmuls(dtype) -> contextlib.AbstractContextManager:
     return jax.default_matmul_precision("highest") if dtype == jnp.float32 else contextlib.nullcontext()
 
 
-def _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec) -> LoopState:
+def _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec,
+             policy: PolicyInputs | None) -> LoopState:
     B, P = prompt_tokens.shape
     cache = target.init_cache(B, cache_len)
     start = jnp.zeros((B,), jnp.int32)
@@ -153,19 +162,61 @@ def _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows,
         proposer=proposer.init(draft_state, prompt_tokens, prompt_lengths, cache_len),
         counters=SpecCounters(*(jnp.zeros((B,), jnp.int32) for _ in range(3)),
                               jnp.zeros((B, spec.k), jnp.int32)),
-        steps=jnp.zeros((), jnp.int32))
+        steps=jnp.zeros((), jnp.int32), adapt=_init_adapt(spec, cache_len, policy))
     state = _commit(state, first[:, None], jnp.ones((B,), jnp.int32), raw_logits, rows, spec)
     return _observe(proposer, draft_state, state, TargetPass(hidden, aux.captured, start), rows)
 
 
+def _init_adapt(spec: LoopSpec, cache_len: int, policy: PolicyInputs | None):
+    """An adaptive loop's statistics (None for a fixed k). Each iteration commits a token per running row, so
+    a wave runs fewer than cache_len iterations: the per-iteration record has that many entries."""
+    if spec.policy is None:
+        return None
+    if policy is None:
+        raise ValueError("an adaptive loop (LoopSpec.policy) needs its PolicyInputs (step costs) as `policy`")
+    return init_adapt(spec.k, cache_len, policy)
+
+
 def _step_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, synthetic_rates):
-    k = spec.k
+    """The loop body: the one tier of a fixed k, or (adaptive) every tier behind one lax.switch."""
+    policy = spec.policy
+    if policy is None:
+        return _tier_step(target, proposer, draft_state, rows, spec, synthetic_rates, spec.k, adaptive=False)
+    tiers = [_tier_step(target, proposer, draft_state, rows, spec, synthetic_rates, k, adaptive=True)
+             for k in policy.tiers]
+
+    def step(state: LoopState) -> LoopState:
+        active = ~state.done
+        live = jnp.sum(active).astype(jnp.int32)
+        tier = choose_tier(state.adapt, live, policy)
+        before = state.counters
+        state = jax.lax.switch(tier, tiers, state)
+        adapt = record(state.adapt, state.steps - 1, jnp.asarray(policy.tiers, jnp.int32)[tier], live,
+                       state.counters.num_draft_tokens - before.num_draft_tokens,
+                       state.counters.num_accepted - before.num_accepted, active)
+        return dataclasses.replace(state, adapt=adapt)
+
+    return step
+
+
+def _tier_step(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, synthetic_rates, k: int,
+               adaptive: bool):
+    """One iteration drafting k tokens per row. k = 0 is a plain decode step: no proposer, a one-token target
+    pass, plain sampling; an adaptive loop's proposer only keeps (`skipped`) what its catch_up needs later."""
+    drafter = proposer.with_k(k) if adaptive and k > 0 else proposer
+    rates = None if synthetic_rates is None else synthetic_rates[:k]
 
     def step(state: LoopState) -> LoopState:
         B = state.lengths.shape[0]
         budget = _budget(state, rows, spec)
-        drafts, draft_probs, proposer_state = proposer.propose(draft_state, state.proposer, state.tokens,
-                                                               state.lengths, rows)
+        if k == 0:
+            drafts, draft_probs, proposer_state = jnp.zeros((B, 0), jnp.int32), None, state.proposer
+        else:
+            carry = state.proposer
+            if adaptive:
+                carry = drafter.catch_up(draft_state, carry, state.tokens, state.lengths, rows)
+            drafts, draft_probs, proposer_state = drafter.propose(draft_state, carry, state.tokens, state.lengths,
+                                                                  rows)
         drafts = _clamp_drafts(drafts, budget, k)
         last = state.tokens[jnp.arange(B), state.lengths - 1]
         verify_tokens = jnp.concatenate([last[:, None], jnp.maximum(drafts, 0)], axis=1)
@@ -174,14 +225,17 @@ def _step_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
         raw_logits = gather_vocab(target.logits(hidden))  # [B, k+1, V]
         logits = _mask_stop_ids(raw_logits, rows, generated=state.lengths - state.prompt_lengths)
         logits = _penalised(logits, rows, state.counts, drafts)
-        out, accepted = _verify(logits, drafts, draft_probs, rows, state.lengths, spec, synthetic_rates,
-                                target.kernels)
+        out, accepted = _verify(logits, drafts, draft_probs, rows, state.lengths, spec, k, rates, target.kernels)
         active = ~state.done
         state = dataclasses.replace(state, cache=cache, proposer=proposer_state,
                                     counters=_count(state.counters, drafts, accepted, active),
                                     steps=state.steps + 1)
         state = _commit(state, out, accepted + 1, raw_logits, rows, spec)
-        return _observe(proposer, draft_state, state, TargetPass(hidden, aux.captured, start), rows)
+        passed = TargetPass(hidden, aux.captured, start)
+        if k == 0:
+            carry = proposer.skipped(draft_state, state.proposer, passed, state.tokens, state.lengths, rows)
+            return dataclasses.replace(state, proposer=carry)
+        return _observe(drafter, draft_state, state, passed, rows)
 
     return step
 
@@ -192,10 +246,11 @@ def _observe(proposer: Proposer, draft_state, state: LoopState, target: TargetPa
     return dataclasses.replace(state, proposer=carry)
 
 
-def _verify(logits, drafts, draft_probs, rows: RowParams, position, spec: LoopSpec, synthetic_rates, kernels):
+def _verify(logits, drafts, draft_probs, rows: RowParams, position, spec: LoopSpec, k: int, synthetic_rates,
+            kernels):
     """Output tokens [B, k+1] and accepted counts; with k = 0 this is plain sampling. kernels: the target's
     kernel policy, which the sampling filters follow."""
-    if spec.k == 0:
+    if k == 0:
         token = sampling.sample(logits[:, 0], rows.temperature, rows.top_k, rows.top_p, rows.min_p,
                                 rows.seed, position, greedy_only=spec.greedy, kernels=kernels)
         return token[:, None], jnp.zeros_like(position)

@@ -1,6 +1,7 @@
 """Host side of generation: group requests into waves, pad them to shape buckets, run the jitted loop once
 per wave (or, streaming, in chunks), and hand back each row's tokens, logprobs (generated and prompt) and
-speculative counters."""
+speculative counters. An adaptive loop gets its tiers' step times here (given, stored or measured) and hands
+back its record of each iteration's k and live rows."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,8 +13,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from specjax.config import EngineConfig, SpeculativeConfig
+from specjax.default_model import cache_root
+from specjax.engine.adaptive import PolicyInputs, policy_inputs
+from specjax.engine.calibration import StepCostStore, measure_step_costs
 from specjax.engine.loop import LoopSpec, eager_compiler_options, jit_generate, jit_stream
-from specjax.engine.proposers.base import Proposer
+from specjax.engine.proposers.base import Proposer, spare_slots
 from specjax.engine.rows import row_params
 from specjax.engine.shapes import MIN_PROMPT_BUCKET, bucket, buffer_len
 from specjax.engine.state import LoopState, RowParams, TokenLogprobs
@@ -39,6 +43,15 @@ class RowResult:
 
 
 @dataclasses.dataclass(frozen=True)
+class WaveTrace:
+    """An adaptive wave's record: its slots (compiled rows), and per loop iteration the k every row drafted and
+    how many rows were running."""
+    slots: int
+    k_per_step: list[int]
+    live_per_step: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
 class WaveChunk:
     """What the host sees of a wave after one streamed chunk: each request's generated tokens so far and
     whether the loop has finished it; `results` (what run_wave returns) on the wave's last chunk only."""
@@ -49,9 +62,11 @@ class WaveChunk:
 
 class WaveRunner:
     def __init__(self, target_graph: nnx.GraphDef, target_state: Any, proposer: Proposer, draft_state: Any,
-                 config: EngineConfig, *, eos_token_ids: Sequence[int], vocab_size: int, mesh: Mesh | None = None):
+                 config: EngineConfig, *, eos_token_ids: Sequence[int], vocab_size: int, mesh: Mesh | None = None,
+                 cost_key: str = ""):
         """config: the resolved engine config (max_num_seqs, max_model_len, seed, speculative). mesh: run each
-        wave tensor-parallel over it (the states already placed on it); None: one device."""
+        wave tensor-parallel over it (the states already placed on it); None: one device. cost_key: names the
+        model and proposer in the stored step times of an adaptive loop."""
         self.target_graph, self.target_state = target_graph, target_state
         self.proposer, self.draft_state = proposer, draft_state
         self.config = config
@@ -60,6 +75,11 @@ class WaveRunner:
         self.mesh = mesh
         self._compiled: dict[tuple, Any] = {}   # LoopSpec fields -> jitted generate
         self._streamed: dict[tuple, Any] = {}   # LoopSpec fields -> jitted (prefill, advance)
+        spec = config.speculative
+        self.policy = None if spec is None or not spec.policy.adaptive else spec.policy
+        self.cost_key = cost_key
+        self.step_cost_store = StepCostStore(cache_root() / "step_costs.json")
+        self.traces: list[WaveTrace] = []       # adaptive waves' records, in the order they ran
 
     def waves(self, requests: Sequence[Request]) -> Iterator[list[Request]]:
         step = self.config.max_num_seqs
@@ -68,8 +88,14 @@ class WaveRunner:
 
     def run_wave(self, wave: Sequence[Request]) -> list[RowResult]:
         prompts, lengths, rows, cache_len = self._pack(wave)
-        fn = self.generate_fn(*_spec_key(wave, rows, self.vocab_size))
-        state = fn(self.target_state, self.draft_state, prompts, lengths, rows, cache_len, self.synthetic_rates)
+        key = _spec_key(wave, rows, self.vocab_size)
+        fn = self.generate_fn(*key)
+
+        def run(policy, rows):
+            return fn(self.target_state, self.draft_state, prompts, lengths, rows, cache_len, self.synthetic_rates,
+                      policy)
+
+        state = run(self._policy_inputs(run, key, rows, lengths, cache_len), rows)
         return self._results(state, wave)
 
     def stream_wave(self, wave: Sequence[Request], stream_interval: int) -> Iterator[WaveChunk]:
@@ -81,8 +107,11 @@ class WaveRunner:
             yield WaveChunk([r.token_ids for r in results], [True] * len(wave), results)
             return
         prompts, lengths, rows, cache_len = self._pack(wave)
-        prefill, advance = self.stream_fns(*_spec_key(wave, rows, self.vocab_size))
-        state = prefill(self.target_state, self.draft_state, prompts, lengths, rows, cache_len)
+        key = _spec_key(wave, rows, self.vocab_size)
+        prefill, advance = self.stream_fns(*key)
+        policy = self._policy_inputs(lambda p, r: self._run_streamed(prefill, advance, prompts, lengths, r,
+                                                                     cache_len, p), key, rows, lengths, cache_len)
+        state = prefill(self.target_state, self.draft_state, prompts, lengths, rows, cache_len, policy)
         interval = np.int32(stream_interval)
         while True:
             chunk = _progress(state, len(wave))
@@ -91,6 +120,32 @@ class WaveRunner:
                 return
             yield chunk
             state = advance(self.target_state, self.draft_state, state, rows, interval, self.synthetic_rates)
+
+    def _run_streamed(self, prefill, advance, prompts, lengths, rows, cache_len, policy) -> LoopState:
+        """The stream functions run to the end in one chunk (what calibrating a streamed loop times)."""
+        state = prefill(self.target_state, self.draft_state, prompts, lengths, rows, cache_len, policy)
+        return advance(self.target_state, self.draft_state, state, rows, np.int32(cache_len), self.synthetic_rates)
+
+    def _policy_inputs(self, run, key: tuple, rows: RowParams, lengths: np.ndarray,
+                       cache_len: int) -> PolicyInputs | None:
+        """An adaptive loop's step costs: the user's, else stored for this shape, else measured now on the
+        compiled loop (run(policy, rows)) and stored. None for a fixed k."""
+        policy = self.policy
+        if policy is None:
+            return None
+        if policy.mode != "auto":
+            return policy_inputs(np.ones(len(policy.tiers), np.float32))
+        if policy.step_costs is not None:
+            return policy_inputs(np.asarray(policy.step_costs, np.float32))
+        store_key = "|".join(map(str, (self.cost_key, f"tiers={policy.tiers}", f"rows={len(lengths)}",
+                                       f"slots={cache_len}", f"loop={key}", jax.devices()[0].device_kind,
+                                       f"jax={jax.__version__}")))
+        costs = self.step_cost_store.get(store_key)
+        if costs is None or len(costs) != len(policy.tiers):
+            room = cache_len - spare_slots(self.proposer) - 1 - int(np.max(lengths))
+            costs = measure_step_costs(run, rows, len(policy.tiers), room)
+            self.step_cost_store.put(store_key, costs)
+        return policy_inputs(np.asarray(costs, np.float32))
 
     def generate_fn(self, n_top: int, greedy: bool, ranks: bool = False, prompt_top: int | None = None):
         """One jitted function per LoopSpec (top logprobs, all rows greedy, ranks, prompt logprobs); jit itself
@@ -111,7 +166,7 @@ class WaveRunner:
 
     def _spec(self, n_top: int, greedy: bool, ranks: bool, prompt_top: int | None) -> LoopSpec:
         return LoopSpec(k=self.proposer.k, n_top=n_top, max_model_len=self.config.max_model_len, greedy=greedy,
-                        ranks=ranks, prompt_top=prompt_top)
+                        ranks=ranks, prompt_top=prompt_top, policy=self.policy)
 
     def _options(self) -> dict[str, str] | None:
         return eager_compiler_options() if self.config.enforce_eager else None
@@ -119,8 +174,12 @@ class WaveRunner:
     def _results(self, state: LoopState, wave: Sequence[Request]) -> list[RowResult]:
         # Only what the host reads: the KV caches and token counts stay on device (and are not addressable from
         # one process when the mesh spans hosts).
-        return _unpack(jax.device_get(dataclasses.replace(state, cache=None, proposer=None, counts=None)), wave,
-                       self.vocab_size)
+        state = jax.device_get(dataclasses.replace(state, cache=None, proposer=None, counts=None))
+        if state.adapt is not None:
+            steps = int(state.steps)
+            self.traces.append(WaveTrace(len(state.lengths), state.adapt.k_per_step[:steps].tolist(),
+                                         state.adapt.live_per_step[:steps].tolist()))
+        return _unpack(state, wave, self.vocab_size)
 
     def _pack(self, wave: Sequence[Request]) -> tuple[np.ndarray, np.ndarray, RowParams, int]:
         max_len = self.config.max_model_len
@@ -128,7 +187,7 @@ class WaveRunner:
         longest = max(len(r.prompt_token_ids) for r in wave)
         P = min(bucket(longest, MIN_PROMPT_BUCKET), max_len)
         most_new = max(self._max_new(r) for r in wave)
-        cache_len = buffer_len(P, longest, most_new, self.proposer.k, max_len)
+        cache_len = buffer_len(P, longest, most_new, spare_slots(self.proposer), max_len)
         prompts = np.zeros((B, P), np.int32)
         lengths = np.ones((B,), np.int32)  # padding rows: a one-token prompt that generates nothing
         for i, r in enumerate(wave):

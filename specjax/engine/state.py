@@ -82,3 +82,4 @@ class LoopState:
     proposer: Any            # the proposer's own pytree (draft KV, ...); None when stateless
     counters: SpecCounters
     steps: jax.Array         # i32 [], loop iterations run
+    adapt: Any = None        # engine.adaptive.AdaptState of an adaptive loop; None for a fixed k

@@ -14,30 +14,35 @@ from specjax.parallel.mesh import DATA_AXIS, MODEL_AXIS, Layout, current_layout,
 
 def sharded_generate(generate: Callable, mesh: Mesh) -> Callable:
     """build_generate's function (target_state, draft_state, prompt_tokens, prompt_lengths, rows, cache_len,
-    synthetic_rates=None) run over `mesh`: each "data" replica on its own rows under shard_map (rows never
+    synthetic_rates=None, policy=None) run over `mesh`: each "data" replica on its own rows under shard_map (rows never
     interact, so replicas exchange nothing), tensor-parallel over "model" inside. The target's cache is
     pinned to its own sharding (`cache.specs(layout)`), which pins the while_loop carry the same way; every
     cache leaf keeps its batch on axis 1. The proposer's carry is not returned (its row axis is the
-    proposer's business); `steps` is the most any replica ran."""
+    proposer's business); `steps` is the most any replica ran; an adaptive loop's record (`adapt`) is the
+    first replica's (each replica chooses its tiers from its own rows)."""
 
-    def replica(target_state, draft_state, prompt_tokens, prompt_lengths, rows, synthetic_rates, *, cache_len):
+    def replica(target_state, draft_state, prompt_tokens, prompt_lengths, rows, synthetic_rates, policy, *,
+                cache_len):
         layout = Layout(jax.sharding.get_abstract_mesh(), head_axis=MODEL_AXIS)  # this replica's rows only
         with traced_with(layout):
             state = generate(target_state, draft_state, prompt_tokens, prompt_lengths, rows, cache_len,
-                             synthetic_rates)
+                             synthetic_rates, policy)
         cache = jax.tree.map(lambda leaf, spec: jax.lax.with_sharding_constraint(leaf, NamedSharding(layout.mesh,
                                                                                                      spec)),
                              state.cache, state.cache.specs(layout))
-        return dataclasses.replace(state, cache=None, proposer=None, steps=None), cache, state.steps[None]
+        per_replica = jax.tree.map(lambda leaf: leaf[None], (state.steps, state.adapt))
+        return dataclasses.replace(state, cache=None, proposer=None, steps=None, adapt=None), cache, per_replica
 
-    def run(target_state, draft_state, prompt_tokens, prompt_lengths, rows, cache_len: int, synthetic_rates=None):
+    def run(target_state, draft_state, prompt_tokens, prompt_lengths, rows, cache_len: int, synthetic_rates=None,
+            policy=None):
         by_rows = P(DATA_AXIS)
-        state, cache, steps = jax.shard_map(
+        state, cache, (steps, adapt) = jax.shard_map(
             functools.partial(replica, cache_len=cache_len), mesh=mesh, axis_names={DATA_AXIS},
-            in_specs=(P(), P(), by_rows, by_rows, by_rows, P()),
+            in_specs=(P(), P(), by_rows, by_rows, by_rows, P(), P()),
             out_specs=(by_rows, P(None, DATA_AXIS), by_rows), check_vma=False,
-        )(target_state, draft_state, prompt_tokens, prompt_lengths, rows, synthetic_rates)
-        return dataclasses.replace(state, cache=cache, steps=jnp.max(steps))
+        )(target_state, draft_state, prompt_tokens, prompt_lengths, rows, synthetic_rates, policy)
+        return dataclasses.replace(state, cache=cache, steps=jnp.max(steps),
+                                   adapt=jax.tree.map(lambda leaf: leaf[0], adapt))
 
     return run
 
@@ -48,6 +53,9 @@ class Replicated:
 
     def __init__(self, inner: Any):
         self._inner = inner
+
+    def with_k(self, k: int) -> Replicated:
+        return Replicated(self._inner.with_k(k))
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._inner, name)

@@ -1,6 +1,7 @@
 """What the loop asks of a draft mechanism. Proposers know the model interface, not each other."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Protocol
 
@@ -22,6 +23,7 @@ class TargetPass:
 
 class Proposer(Protocol):
     k: int
+    catch_up_slots: int   # slots past the committed end catch_up may write (spare_slots)
     # Target layers whose entering residual stream `observe` needs (EAGLE-3); () for none.
     capture_layers: tuple[int, ...]
 
@@ -42,8 +44,45 @@ class Proposer(Protocol):
         """The carry after a target pass whose tokens were committed up to lengths[b] (called after prefill
         and after each verify)."""
 
+    # Adaptive speculation (engine/adaptive.py) runs tiers of fewer drafts, down to plain decode steps.
+    def with_k(self, k: int) -> Proposer:
+        """The same proposer drafting k tokens (1 <= k <= self.k) over the same carry."""
 
-class IgnoresTarget:
+    def skipped(self, draft_state: Any, carry: Any, target: TargetPass, tokens: jax.Array, lengths: jax.Array,
+                rows: RowParams) -> Any:
+        """The carry after a plain decode step that ran no proposer: only what must be kept for catch_up,
+        no drafting work."""
+
+    def catch_up(self, draft_state: Any, carry: Any, tokens: jax.Array, lengths: jax.Array,
+                 rows: RowParams) -> Any:
+        """The carry brought up to the committed tokens after plain steps, before a propose."""
+
+
+def spare_slots(proposer: Proposer) -> int:
+    """Slots a wave's buffers keep past the longest row's committed end: a verify pass's drafts, or what a
+    catch-up pass writes, whichever is more."""
+    return max(proposer.k, proposer.catch_up_slots)
+
+
+class Drafting:
+    """What most proposers share of the adaptive protocol: k is an attribute, and the carry needs nothing kept
+    across plain steps (n-gram reads the committed tokens; a draft model overrides catch_up)."""
+    # Slots past a row's committed end that catch_up may write (the buffer keeps that many spare).
+    catch_up_slots = 0
+
+    def with_k(self, k: int):
+        clone = copy.copy(self)
+        clone.k = k
+        return clone
+
+    def skipped(self, draft_state, carry, target, tokens, lengths, rows):
+        return carry
+
+    def catch_up(self, draft_state, carry, tokens, lengths, rows):
+        return carry
+
+
+class IgnoresTarget(Drafting):
     """For proposers that draft without the target's hidden states."""
     capture_layers: tuple[int, ...] = ()
 

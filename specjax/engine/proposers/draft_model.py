@@ -2,10 +2,12 @@
 
 Catch-up needs no extra pass: the draft's KV for accepted drafts was written while drafting them, so each
 proposal starts by running the last two committed tokens (re-writing one slot, harmlessly), which covers
-the one slot never drafted when every draft was accepted.
+the one slot never drafted when every draft was accepted. After plain decode steps (adaptive speculation's
+k = 0 tier) the committed tokens run ahead of the draft's KV; catch_up runs them in chunks first.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -15,6 +17,16 @@ from flax import nnx
 from specjax.engine import sampling
 from specjax.engine.proposers.base import IgnoresTarget
 from specjax.engine.state import RowParams
+
+# Tokens per catch-up pass of the draft after plain steps.
+CATCH_UP_CHUNK = 8
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DraftCarry:
+    cache: Any           # the draft's KV cache
+    synced: jax.Array    # i32 [B]: the cache is valid below min(synced, lengths - 2)
 
 
 class DraftModelProposer(IgnoresTarget):
@@ -31,10 +43,33 @@ class DraftModelProposer(IgnoresTarget):
         draft = nnx.merge(self.draft_graph, draft_state)
         cache = draft.init_cache(prompt_tokens.shape[0], cache_len)
         _, cache, _ = draft(prompt_tokens, jnp.zeros_like(prompt_lengths), cache, fresh=True)
-        return cache
+        return DraftCarry(cache, prompt_lengths)
 
-    def propose(self, draft_state, cache: Any, tokens: jax.Array, lengths: jax.Array, rows: RowParams):
+    def catch_up(self, draft_state, carry: DraftCarry, tokens: jax.Array, lengths: jax.Array,
+                 rows: RowParams) -> DraftCarry:
+        """Run the committed tokens the draft has not seen (below lengths - 2, which propose runs itself), a
+        chunk at a time. A chunk starts at the row's first unseen slot, or earlier where it would pass the
+        buffer's end (re-running seen tokens writes the same KV); rows already caught up re-run their last
+        tokens and write beyond them, where the cache is garbage until drafted over anyway."""
         draft = nnx.merge(self.draft_graph, draft_state)
+        goal = lengths - 2
+        slots = tokens.shape[1]
+        chunk = min(CATCH_UP_CHUNK, slots)
+
+        def behind(c: DraftCarry):
+            return jnp.any(c.synced < goal)
+
+        def run_chunk(c: DraftCarry) -> DraftCarry:
+            start = jnp.minimum(jnp.minimum(c.synced, goal), slots - chunk)
+            window = jnp.take_along_axis(tokens, start[:, None] + jnp.arange(chunk)[None, :], axis=1)
+            _, cache, _ = draft(window, start, c.cache)
+            return DraftCarry(cache, jnp.maximum(c.synced, jnp.minimum(start + chunk, goal)))
+
+        return jax.lax.while_loop(behind, run_chunk, carry)
+
+    def propose(self, draft_state, carry: DraftCarry, tokens: jax.Array, lengths: jax.Array, rows: RowParams):
+        draft = nnx.merge(self.draft_graph, draft_state)
+        cache = carry.cache
         B = tokens.shape[0]
         last_two = jnp.stack([tokens[jnp.arange(B), lengths - 2], tokens[jnp.arange(B), lengths - 1]], axis=1)
         hidden, cache, _ = draft(last_two, lengths - 2, cache)
@@ -49,9 +84,11 @@ class DraftModelProposer(IgnoresTarget):
         (_, cache), (rest, rest_probs) = jax.lax.scan(draft_step, (token, cache),
                                                       jnp.arange(self.k - 1, dtype=jnp.int32))
         drafts = jnp.concatenate([token[:, None], rest.T], axis=1)
+        # Written: the last two committed tokens and every draft but the last.
+        carry = DraftCarry(cache, lengths + self.k - 1)
         if not self.probabilistic:
-            return drafts, None, cache
-        return drafts, jnp.concatenate([probs[:, None], jnp.swapaxes(rest_probs, 0, 1)], axis=1), cache
+            return drafts, None, carry
+        return drafts, jnp.concatenate([probs[:, None], jnp.swapaxes(rest_probs, 0, 1)], axis=1), carry
 
     def _choose(self, logits: jax.Array, rows: RowParams, position: jax.Array, kernels):
         """Greedy drafting takes the argmax (q one-hot, so no probs are kept); probabilistic drafting draws

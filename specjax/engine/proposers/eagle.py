@@ -6,6 +6,11 @@ hidden state at p. `observe` runs after each target pass over the T positions it
 ones write valid head KV (the rest is garbage beyond the committed length, overwritten later, as in the
 target's cache) and the last committed one yields the first draft and the head's hidden state. `propose`
 then runs k - 1 single-token steps, each fed the previous draft and the head's own hidden state.
+
+Adaptive speculation's plain steps (k = 0) run no head: `skipped` keeps each such pass's target features in a
+ring of the last `catch_up_window` positions, and `catch_up` observes them in one pass before the next draft.
+After more plain steps in a row than the ring holds (the auto policy probes sooner), the oldest are never
+observed: their head KV stays stale, which costs draft quality only, never exactness.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.engine import sampling
-from specjax.engine.proposers.base import TargetPass
+from specjax.engine.proposers.base import Drafting, TargetPass
 from specjax.engine.state import RowParams
 from specjax.kernels.policy import KernelPolicy
 
@@ -46,16 +51,29 @@ class EagleCarry:
     first: jax.Array             # i32 [B] the first draft of the next step
     first_probs: jax.Array       # f32 [B, V] its draft distribution ([B, 0] when drafting greedily)
     hidden: jax.Array            # [B, H] the head's hidden state at position lengths - 2, fed back with `first`
+    # Target features of passes not yet observed (plain steps), position p at index p % window: [B, window, F].
+    pending: jax.Array
+    pending_from: jax.Array      # i32 [B]: the first position not yet observed (lengths - 1 once caught up)
 
 
-class HeadProposer:
-    def __init__(self, head_graph: nnx.GraphDef, head: DraftHead, k: int, probabilistic: bool):
+class HeadProposer(Drafting):
+    def __init__(self, head_graph: nnx.GraphDef, head: DraftHead, k: int, probabilistic: bool,
+                 feature_size: int = 0, catch_up_window: int = 0):
+        """feature_size: width of the target features the head reads (its capture layers' residual streams,
+        or the final hidden state); catch_up_window: plain steps' passes kept for catch_up (0: a loop of
+        fixed k, which has none)."""
         self.head_graph = head_graph
         self.cfg = head.cfg
         self.k = k
         self.probabilistic = probabilistic
         self.capture_layers = head.capture_layers
-        self.cache_bytes = head.cache_bytes
+        self.head_cache_bytes = head.cache_bytes
+        self.feature_size = feature_size
+        self.catch_up_slots = catch_up_window
+        self.pending_row_bytes = catch_up_window * feature_size * jnp.dtype(head.dtype).itemsize
+
+    def cache_bytes(self, batch: int, max_len: int) -> int:
+        return self.head_cache_bytes(batch, max_len) + batch * self.pending_row_bytes
 
     def init(self, draft_state, prompt_tokens: jax.Array, prompt_lengths: jax.Array, cache_len: int) -> EagleCarry:
         head = nnx.merge(self.head_graph, draft_state)
@@ -63,7 +81,9 @@ class HeadProposer:
         vocab = self.cfg.vocab_size if self.probabilistic else 0
         return EagleCarry(cache=head.init_cache(B, cache_len),
                           first=jnp.zeros((B,), jnp.int32), first_probs=jnp.zeros((B, vocab), jnp.float32),
-                          hidden=jnp.zeros((B, self.cfg.hidden_size), head.dtype))
+                          hidden=jnp.zeros((B, self.cfg.hidden_size), head.dtype),
+                          pending=jnp.zeros((B, self.catch_up_slots, self.feature_size), head.dtype),
+                          pending_from=prompt_lengths)
 
     def observe(self, draft_state, carry: EagleCarry, target: TargetPass, tokens: jax.Array, lengths: jax.Array,
                 rows: RowParams) -> EagleCarry:
@@ -77,7 +97,39 @@ class HeadProposer:
         last = jnp.clip(lengths - target.start - 2, 0, T - 1)  # the last committed position of this pass
         rows_idx = jnp.arange(B)
         first, probs = self._choose(head, out[rows_idx, last], rows, lengths)
-        return EagleCarry(cache=cache, first=first, first_probs=probs, hidden=feed[rows_idx, last])
+        return dataclasses.replace(carry, cache=cache, first=first, first_probs=probs, hidden=feed[rows_idx, last],
+                                   pending_from=lengths - 1)
+
+    def skipped(self, draft_state, carry: EagleCarry, target: TargetPass, tokens: jax.Array, lengths: jax.Array,
+                rows: RowParams) -> EagleCarry:
+        """Keep a plain step's one-token pass for catch_up."""
+        features = (target.captured if self.capture_layers else target.hidden)[:, 0]
+        index = target.start % self.catch_up_slots
+        pending = carry.pending.at[jnp.arange(features.shape[0]), index].set(features.astype(carry.pending.dtype))
+        return dataclasses.replace(carry, pending=pending)
+
+    def catch_up(self, draft_state, carry: EagleCarry, tokens: jax.Array, lengths: jax.Array,
+                 rows: RowParams) -> EagleCarry:
+        """Observe the kept passes (positions pending_from .. lengths - 2, the last `window` of them) as one
+        pass, when any row has some. A row with none runs from lengths - 1, writing only beyond its valid KV,
+        and keeps its draft."""
+        window = self.catch_up_slots
+        behind = carry.pending_from < lengths - 1
+
+        def observe_pending(c: EagleCarry) -> EagleCarry:
+            start = jnp.where(behind, jnp.maximum(c.pending_from, lengths - 1 - window), lengths - 1)
+            index = (start[:, None] + jnp.arange(window)[None, :]) % window
+            features = jnp.take_along_axis(c.pending, index[:, :, None], axis=1)
+            passed = TargetPass(hidden=features, captured=features if self.capture_layers else None, start=start)
+            new = self.observe(draft_state, c, passed, tokens, lengths, rows)
+
+            def keep(fresh, old):
+                return jnp.where(behind.reshape((-1,) + (1,) * (old.ndim - 1)), fresh, old)
+
+            return dataclasses.replace(new, first=keep(new.first, c.first), hidden=keep(new.hidden, c.hidden),
+                                       first_probs=keep(new.first_probs, c.first_probs))
+
+        return jax.lax.cond(jnp.any(behind), observe_pending, lambda c: c, carry)
 
     def propose(self, draft_state, carry: EagleCarry, tokens: jax.Array, lengths: jax.Array, rows: RowParams):
         head = nnx.merge(self.head_graph, draft_state)

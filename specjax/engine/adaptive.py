@@ -1,0 +1,95 @@
+"""Adaptive speculation on the device: which compiled k tier the next loop iteration runs, and the statistics
+that choice reads (running per-position acceptance, and a record of each iteration's k and live rows).
+
+The tiers are one `lax.switch` in the loop body (loop.py); k = 0 is a plain decode step. "auto" scores a tier k
+by the tokens a row expects from it, 1 + sum_{i<k} prod_{j<=i} a_j with a_j the running conditional acceptance
+at draft position j, over the tier's step time, and takes the best. Dead rows cost as much as live ones in a
+compiled batch, so the step times are per compiled shape and the live count enters through the statistics.
+A tier not run stops updating its positions' rates, so after PROBE_EVERY plain steps in a row the loop runs
+the largest tier once to look again (a bounded cost: one speculative step in PROBE_EVERY + 1).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax.config.speculation_policy import PROBE_EVERY, SpeculationPolicy
+
+# Weight of the newest step in the running acceptance (about the last 1 / EMA_WEIGHT steps count).
+EMA_WEIGHT = 0.25
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PolicyInputs:
+    """What the host hands an adaptive loop, traced (changing it does not recompile)."""
+    step_costs: jax.Array    # f32 [n_tiers]: each tier's step time, relative units
+    forced_tier: jax.Array   # i32 []: run this tier every iteration (calibration); -1 = choose
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AdaptState:
+    """The adaptive loop's carry beside the rows'."""
+    acceptance: jax.Array    # f32 [k_max]: running P(draft j accepted | drafts before j accepted)
+    plain_run: jax.Array     # i32 []: plain (k = 0) iterations since the last speculative one
+    k_per_step: jax.Array    # i32 [S]: iteration i drafted k_per_step[i] tokens per row
+    live_per_step: jax.Array  # i32 [S]: rows running at iteration i
+    inputs: PolicyInputs
+
+
+def policy_inputs(step_costs, forced_tier: int = -1) -> PolicyInputs:
+    return PolicyInputs(jnp.asarray(step_costs, jnp.float32), jnp.asarray(forced_tier, jnp.int32))
+
+
+def init_adapt(k_max: int, max_steps: int, inputs: PolicyInputs) -> AdaptState:
+    """Optimistic rates at first (every draft accepted), so the loop speculates and measures before it judges."""
+    return AdaptState(acceptance=jnp.ones((k_max,), jnp.float32), plain_run=jnp.zeros((), jnp.int32),
+                      k_per_step=jnp.zeros((max_steps,), jnp.int32),
+                      live_per_step=jnp.zeros((max_steps,), jnp.int32), inputs=inputs)
+
+
+def expected_tokens(acceptance: jax.Array, tiers: tuple[int, ...]) -> jax.Array:
+    """f32 [n_tiers]: tokens a row emits per step of each tier under the running rates."""
+    reach = jnp.concatenate([jnp.ones((1,), jnp.float32), jnp.cumprod(acceptance)])  # P(first i drafts accepted)
+    return jnp.stack([jnp.sum(reach[:k + 1]) for k in tiers])
+
+
+def choose_tier(adapt: AdaptState, live: jax.Array, policy: SpeculationPolicy) -> jax.Array:
+    """i32 []: the index into policy.tiers of the tier the next iteration runs."""
+    tiers = policy.tiers
+    if policy.mode == "table":
+        chosen = _table_k(live, policy)
+        tier = jnp.argmax(jnp.asarray(tiers) == chosen).astype(jnp.int32)
+    else:
+        score = expected_tokens(adapt.acceptance, tiers) / adapt.inputs.step_costs
+        tier = jnp.argmax(score).astype(jnp.int32)
+        tier = jnp.where(adapt.plain_run >= PROBE_EVERY, len(tiers) - 1, tier)
+    return jnp.where(adapt.inputs.forced_tier >= 0, adapt.inputs.forced_tier, tier)
+
+
+def _table_k(live: jax.Array, policy: SpeculationPolicy) -> jax.Array:
+    """vLLM's rows: K of the row whose [start_bs, end_bs] holds the live count; k_max outside every row."""
+    k = jnp.asarray(policy.tiers[-1], jnp.int32)
+    for start, end, row_k in policy.table:
+        k = jnp.where((live >= start) & (live <= end), row_k, k)
+    return k
+
+
+def record(adapt: AdaptState, step: jax.Array, k: jax.Array, live: jax.Array, drafted: jax.Array,
+           accepted: jax.Array, active: jax.Array) -> AdaptState:
+    """The statistics after iteration `step` ran tier k: drafted / accepted [B] per row, active [B] the rows
+    that were running. A position's rate moves only when some row drafted there with every earlier draft
+    accepted (the condition of the conditional rate)."""
+    j = jnp.arange(adapt.acceptance.shape[0])[None, :]
+    reached = active[:, None] & (drafted[:, None] > j) & (accepted[:, None] >= j)
+    hits = jnp.sum(reached & (accepted[:, None] > j), axis=0)
+    tries = jnp.sum(reached, axis=0)
+    rate = hits / jnp.maximum(tries, 1)
+    acceptance = jnp.where(tries > 0, (1 - EMA_WEIGHT) * adapt.acceptance + EMA_WEIGHT * rate, adapt.acceptance)
+    slot = jnp.minimum(step, adapt.k_per_step.shape[0] - 1)
+    return dataclasses.replace(
+        adapt, acceptance=acceptance, plain_run=jnp.where(k == 0, adapt.plain_run + 1, 0),
+        k_per_step=adapt.k_per_step.at[slot].set(k), live_per_step=adapt.live_per_step.at[slot].set(live))

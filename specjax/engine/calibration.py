@@ -1,0 +1,93 @@
+"""Step times of an adaptive loop's tiers, measured on the compiled loop itself and kept on disk.
+
+A tier's step time is the slope of wall time over loop iterations: the loop runs twice with every row forced
+to that tier, once for a few tokens and once for more, and the difference cancels the prefill and the call's
+fixed costs. Rows ignore their stop ids while measuring, so each run's length is what was asked. The times are
+stored per model, proposer, tiers, batch shape and device in $SPECJAX_CACHE/step_costs.json, so a shape is
+calibrated once per machine; `speculative_config["step_costs"]` overrides them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from specjax.engine.adaptive import PolicyInputs, policy_inputs
+from specjax.engine.state import RowParams
+
+# New tokens per row of the longer measuring run (the shorter one runs a quarter of it).
+CALIBRATION_TOKENS = 24
+REPEATS = 3
+
+
+def measure_step_costs(run: Callable[[PolicyInputs, RowParams], Any], rows: RowParams, n_tiers: int,
+                       room: int) -> tuple[float, ...]:
+    """Seconds per iteration of each tier. run(policy, rows) runs the compiled loop and returns its final
+    state; room: new tokens every row has space for in the wave's buffers."""
+    long = min(CALIBRATION_TOKENS, room)
+    short = max(1, long // 4)
+    if long - short < 2:
+        return (1.0,) * n_tiers   # no room to measure: equal costs, so the most expected tokens wins
+    timed = {n: _measuring_rows(rows, n) for n in (short, long)}
+    costs = []
+    for tier in range(n_tiers):
+        inputs = policy_inputs(np.ones(n_tiers, np.float32), tier)
+        runs = {n: _timed(run, inputs, tier_rows) for n, tier_rows in timed.items()}
+        (t_short, s_short), (t_long, s_long) = runs[short], runs[long]
+        costs.append(max((t_long - t_short) / max(s_long - s_short, 1), 1e-9))
+    return tuple(costs)
+
+
+def _measuring_rows(rows: RowParams, new_tokens: int) -> RowParams:
+    """The wave's rows generating exactly new_tokens each (padding rows still none), stop ids off."""
+    max_tokens = np.where(np.asarray(rows.max_tokens) > 0, new_tokens, 0).astype(np.int32)
+    return dataclasses.replace(rows, max_tokens=max_tokens, min_tokens=np.zeros_like(max_tokens),
+                               stop_ids=np.full_like(np.asarray(rows.stop_ids), -1))
+
+
+def _timed(run, inputs: PolicyInputs, rows: RowParams) -> tuple[float, int]:
+    """(median seconds, loop iterations) of run, after a warm-up run."""
+    state = jax.block_until_ready(run(inputs, rows))
+    times = []
+    for _ in range(REPEATS):
+        begin = time.perf_counter()
+        state = jax.block_until_ready(run(inputs, rows))
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times), int(jax.device_get(state.steps))
+
+
+class StepCostStore:
+    """Calibrated step times in one JSON file, {key: [seconds per tier]}; written atomically, so processes
+    sharing the file at worst calibrate twice."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def get(self, key: str) -> tuple[float, ...] | None:
+        costs = self._read().get(key)
+        return None if costs is None else tuple(float(c) for c in costs)
+
+    def put(self, key: str, costs: tuple[float, ...]) -> None:
+        table = self._read()
+        table[key] = list(costs)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.path)
+
+    def _read(self) -> dict:
+        try:
+            with open(self.path) as f:
+                table = json.load(f)
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+        return table if isinstance(table, dict) else {}

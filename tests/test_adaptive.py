@@ -1,0 +1,399 @@
+"""Adaptive speculation: vLLM's per-batch-size table and the automatic policy, parsed with clear errors; the tier
+choice on the device; greedy output equal to plain decoding for every drafter while the loop switches between
+k tiers (plain steps among them); the k = 0 tier costing a plain step; proposers caught up after plain steps
+exactly as if they had drafted; step times measured once and stored; the record reported in the metrics."""
+from __future__ import annotations
+
+import collections
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from eagle_heads import write_head
+from flax import nnx
+
+from checkpoints_conv.eagle_loader import load_eagle_head
+from specjax import LLM, SamplingParams
+from specjax.config import SpeculativeConfig
+from specjax.config.speculation_policy import PROBE_EVERY, SpeculationPolicy, auto_tiers
+from specjax.engine import adaptive, calibration, loop
+from specjax.engine.proposers.base import NoProposer, TargetPass
+from specjax.engine.proposers.draft_model import DraftModelProposer
+from specjax.engine.proposers.eagle import HeadProposer
+from specjax.engine.state import RowParams
+from specjax.models.llama import FAMILY, LlamaConfig
+
+K = 3
+MAX_LEN = 64
+WAVES, SLOTS = 13, 8
+
+
+def _spec(**keys) -> SpeculativeConfig:
+    return SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": K, **keys},
+                                       target_max_model_len=256, target_tensor_parallel_size=1)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# configuration
+# ------------------------------------------------------------------------------------------------------------
+
+def test_policies_parse_as_vllm_defines_the_table():
+    assert _spec().policy == SpeculationPolicy("fixed", (K,))
+    table = _spec(num_speculative_tokens_per_batch_size=[[65, 128, 1], [1, 64, 3], [129, 512, 0]]).policy
+    assert (table.mode, table.tiers, table.table) == ("table", (0, 1, 3), ((1, 64, 3), (65, 128, 1), (129, 512, 0)))
+    auto = _spec(speculation_policy="auto", step_costs={"0": 1, 1: 1.5, 2: 1.7, 3: 2}).policy
+    assert (auto.mode, auto.tiers, auto.step_costs) == ("auto", (0, 1, 2, 3), (1.0, 1.5, 1.7, 2.0))
+    assert auto_tiers(1) == (0, 1) and auto_tiers(5) == (0, 1, 2, 4, 5) and auto_tiers(8) == (0, 1, 2, 4, 8)
+
+
+@pytest.mark.parametrize("keys, match", [
+    ({"num_speculative_tokens_per_batch_size": [[1, 8, 4]]}, "K=4 is more than num_speculative_tokens=3"),
+    ({"num_speculative_tokens_per_batch_size": [[1, 8, 1], [8, 16, 0]]}, "overlap"),
+    ({"num_speculative_tokens_per_batch_size": [[9, 8, 1]]}, "start_bs must be <= end_bs"),
+    ({"num_speculative_tokens_per_batch_size": [[1, 8]]}, r"\[start_bs, end_bs, K\]"),
+    ({"num_speculative_tokens_per_batch_size": []}, "non-empty list"),
+    ({"num_speculative_tokens_per_batch_size": [[0, 8, 1]]}, "start_bs must be >= 1"),
+    ({"speculation_policy": "greedy"}, "must be one of"),
+    ({"speculation_policy": "table"}, "needs 'num_speculative_tokens_per_batch_size'"),
+    ({"speculation_policy": "auto", "num_speculative_tokens_per_batch_size": [[1, 8, 1]]}, "needs speculation_policy"),
+    ({"speculation_policy": "auto", "step_costs": {0: 1, 3: 2}}, r"exactly the tiers \[0, 1, 2, 3\]"),
+    ({"speculation_policy": "auto", "step_costs": {0: 1, 1: 1, 2: 0, 3: 2}}, "positive number"),
+    ({"step_costs": {3: 1.0}}, "'auto' only"),
+])
+def test_bad_policies_are_refused_naming_the_field(keys, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        _spec(**keys)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the choice on the device
+# ------------------------------------------------------------------------------------------------------------
+
+def _adapt(acceptance, costs, plain_run=0, forced=-1):
+    state = adaptive.init_adapt(K, 8, adaptive.policy_inputs(costs, forced))
+    return adaptive.dataclasses.replace(state, acceptance=jnp.asarray(acceptance, jnp.float32),
+                                        plain_run=jnp.asarray(plain_run, jnp.int32))
+
+
+def test_auto_weighs_expected_tokens_against_step_times():
+    policy = SpeculationPolicy("auto", (0, 1, 2, 3))
+    costs = [1.0, 1.3, 1.5, 1.7]
+    np.testing.assert_allclose(adaptive.expected_tokens(jnp.asarray([0.5, 0.5, 0.5]), policy.tiers),
+                               [1, 1.5, 1.75, 1.875])
+    choose = jax.jit(adaptive.choose_tier, static_argnums=2)
+    assert int(choose(_adapt([0.1, 0.1, 0.1], costs), 4, policy)) == 0     # speculation loses
+    assert int(choose(_adapt([0.9, 0.9, 0.9], costs), 4, policy)) == 3
+    assert int(choose(_adapt([0.6, 0.1, 0.1], costs), 4, policy)) == 1     # one draft pays, more do not
+    # After PROBE_EVERY plain steps the largest tier looks again; a forced tier wins over everything.
+    assert int(choose(_adapt([0.1] * 3, costs, plain_run=PROBE_EVERY), 4, policy)) == 3
+    assert int(choose(_adapt([0.9] * 3, costs, forced=0), 4, policy)) == 0
+
+
+def test_the_table_follows_the_live_rows():
+    policy = _spec(num_speculative_tokens_per_batch_size=[[1, 2, 3], [3, 5, 0], [8, 8, 1]]).policy
+    state = _adapt([1.0] * 3, [1.0] * 3)
+    ks = [policy.tiers[int(adaptive.choose_tier(state, jnp.asarray(n), policy))] for n in range(1, 10)]
+    assert ks == [3, 3, 0, 0, 0, 3, 3, 1, 3]   # 6, 7 and 9 lie outside every row: num_speculative_tokens
+
+
+def test_running_acceptance_is_conditional_on_the_earlier_drafts():
+    state = _adapt([1.0] * 3, [1.0] * 4)
+    # Row 0 drafted 3 and had 1 accepted, row 1 drafted 3 with all accepted, row 2 drafted 2 and had none,
+    # row 3 was not running.
+    state = adaptive.record(state, jnp.asarray(0), jnp.asarray(3), jnp.asarray(3), jnp.asarray([3, 3, 2, 3]),
+                            jnp.asarray([1, 3, 0, 3]), jnp.asarray([True, True, True, False]))
+    rates = np.asarray([2 / 3, 1 / 2, 1.0])   # position 0: 2 of 3, 1: 1 of 2 reached, 2: 1 of 1
+    np.testing.assert_allclose(state.acceptance, 1 - adaptive.EMA_WEIGHT + adaptive.EMA_WEIGHT * rates, rtol=1e-6)
+    assert state.k_per_step.tolist()[:2] == [3, 0] and state.live_per_step.tolist()[0] == 3
+
+
+# ------------------------------------------------------------------------------------------------------------
+# exactness while switching tiers, every drafter
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_checkpoint_factory):
+    return tiny_checkpoint_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_dir):
+    """WAVES x SLOTS prompts of 2 to 16 tokens (repetitive, so n-gram finds matches) with max_tokens 1 to 48,
+    each wave led by a 48-token request so every wave has one shape (one compilation)."""
+    vocab = json.loads((tiny_dir / "config.json").read_text())["vocab_size"]
+    rng = np.random.default_rng(0)
+    prompts, params = [], []
+    for i in range(WAVES * SLOTS):
+        motif = rng.integers(3, vocab, size=int(rng.integers(1, 5))).tolist()
+        prompts.append({"prompt_token_ids": (motif * 16)[:int(rng.integers(2, 17))]})
+        params.append(SamplingParams(temperature=0.0, ignore_eos=True,
+                                     max_tokens=48 if i % SLOTS == 0 else int(rng.integers(1, 49))))
+    return prompts, params
+
+
+def _llm(model_dir, default_model_dir, spec=None) -> LLM:
+    return LLM(str(model_dir), tokenizer=str(default_model_dir), max_model_len=MAX_LEN, max_num_seqs=SLOTS,
+               speculative_config=spec)
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(tiny_dir, default_model_dir, workload):
+    outs = _llm(tiny_dir, default_model_dir).generate(*workload, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(tiny_dir, tmp_path_factory):
+    config = json.loads((tiny_dir / "config.json").read_text())
+    return write_head(tmp_path_factory.mktemp("EAGLE3-tiny"), config, "eagle3_yuhuili", scale=0.3)
+
+
+# Live rows fall from 8 as rows finish: the table walks k = 1 -> 0 (long runs of plain steps, past the ring a
+# head keeps) -> 3. The auto costs make plain steps cheap enough that a poor drafter drops to k = 0 and probes.
+TABLE = {"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 5, 0], [6, 8, 1]]}
+AUTO = {"speculation_policy": "auto", "step_costs": {0: 1.0, 1: 1.6, 2: 1.8, 3: 2.0}}
+
+
+@pytest.mark.parametrize("method, policy", [("ngram", TABLE), ("draft_model", TABLE), ("eagle3", TABLE),
+                                            ("eagle3", AUTO)], ids=["ngram-table", "draft-table", "eagle3-table",
+                                                                    "eagle3-auto"])
+def test_greedy_output_equals_plain_decoding_while_tiers_switch(tiny_dir, default_model_dir, workload, plain_tokens,
+                                                                eagle3_head, method, policy):
+    drafter = {"ngram": {"prompt_lookup_min": 1, "prompt_lookup_max": 3},
+               "draft_model": {"model": str(tiny_dir)},   # the target drafting for itself: every draft accepted
+               "eagle3": {"model": str(eagle3_head)}}[method]
+    llm = _llm(tiny_dir, default_model_dir, {"method": method, "num_speculative_tokens": K, **drafter, **policy})
+    outs = llm.generate(*workload, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain_tokens
+    trace = llm.speculation_trace()
+    assert len(trace) == WAVES and all(t.slots == SLOTS for t in trace)
+    ran = collections.Counter(k for t in trace for k in t.k_per_step)
+    metrics = {m.name: m for m in llm.get_metrics()}
+    assert metrics["specjax:spec_decode_iterations_per_k"].values == [ran[k] for k in range(K + 1)]
+    live = sum(sum(t.live_per_step) for t in trace)
+    assert metrics["specjax:spec_decode_live_row_iterations"].value == live
+    assert 0 < live < metrics["specjax:spec_decode_slot_iterations"].value
+    if policy is TABLE:
+        assert ran[0] and ran[1] and ran[K]
+        for t in trace:
+            assert all(k == {1: 3, 2: 3, 3: 0, 4: 0, 5: 0}.get(n, 1) for k, n in zip(t.k_per_step, t.live_per_step))
+    if method == "draft_model":
+        # Self-drafting accepts every draft, however many plain steps the drafter had to catch up on.
+        assert metrics["vllm:spec_decode_num_accepted_tokens"].value == \
+            metrics["vllm:spec_decode_num_draft_tokens"].value > 0
+    if method == "eagle3" and policy is AUTO:
+        assert ran[0] > ran[K] > 0    # a random head loses: mostly plain steps, with probes
+
+
+def test_seeded_sampling_is_reproducible_under_the_auto_policy(tiny_dir, default_model_dir, workload):
+    prompts, _ = workload
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=12, ignore_eos=True) for i in range(SLOTS)]
+    spec = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1, "speculation_policy": "auto",
+            "step_costs": {0: 1.0, 1: 1.2}}
+    llm = _llm(tiny_dir, default_model_dir, spec)
+    runs = [[o.outputs[0].token_ids for o in llm.generate(prompts[:SLOTS], params, use_tqdm=False)]
+            for _ in range(2)]
+    assert runs[0] == runs[1] and all(len(t) == 12 for t in runs[0])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the k = 0 tier is a plain step
+# ------------------------------------------------------------------------------------------------------------
+
+def _primitive_counts(fn, *args) -> collections.Counter:
+    counts = collections.Counter()
+
+    def subjaxprs(value):
+        if isinstance(value, (list, tuple)):
+            return [j for v in value for j in subjaxprs(v)]
+        inner = getattr(value, "jaxpr", value)
+        return [inner] if hasattr(inner, "eqns") else []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            counts[eqn.primitive.name] += 1
+            for value in eqn.params.values():
+                for sub in subjaxprs(value):
+                    walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return counts
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_the_plain_tier_runs_no_proposer_and_no_verification(tiny_dir, default_model_dir, eagle3_head, method):
+    """The adaptive loop's k = 0 branch traces to the plain loop's step: the same matmuls, no draft weights
+    read, no while or cond of a proposer; an EAGLE head's branch adds only the scatter keeping the pass."""
+    drafter = {"ngram": {}, "draft_model": {"model": str(tiny_dir)}, "eagle3": {"model": str(eagle3_head)}}[method]
+    llm = _llm(tiny_dir, default_model_dir, {"method": method, "num_speculative_tokens": K, **drafter, **TABLE})
+    plain = _llm(tiny_dir, default_model_dir)
+    runner, plain_runner = llm._runner, plain._runner
+    prompts = np.asarray([[5, 6, 7, 5, 6, 7, 5, 6] * 2] * 2, np.int32)
+    lengths = np.asarray([16, 9], np.int32)
+    rows = RowParams(temperature=jnp.zeros((2,)), top_k=jnp.zeros((2,), jnp.int32), top_p=jnp.ones((2,)),
+                     min_p=jnp.zeros((2,)), seed=jnp.arange(2, dtype=jnp.uint32),
+                     max_tokens=jnp.full((2,), 8, jnp.int32), min_tokens=jnp.zeros((2,), jnp.int32),
+                     stop_ids=jnp.full((2, 1), -1, jnp.int32))
+
+    def branch_counts(r, adaptive_loop):
+        spec = r._spec(0, True, False, None)
+        prefill, _ = loop.build_stream(r.target_graph, r.proposer, spec)
+        inputs = adaptive.policy_inputs(np.ones(len(spec.policy.tiers), np.float32)) if adaptive_loop else None
+        state = prefill(r.target_state, r.draft_state, prompts, lengths, rows, 48, inputs)
+        target = nnx.merge(r.target_graph, r.target_state)
+        step = loop._tier_step(target, r.proposer, r.draft_state, rows, spec, None, 0, adaptive=adaptive_loop)
+        return _primitive_counts(step, state)
+
+    tier0, plain_step = branch_counts(runner, True), branch_counts(plain_runner, False)
+    assert isinstance(plain_runner.proposer, NoProposer)
+    assert tier0["dot_general"] == plain_step["dot_general"] > 0
+    assert tier0["while"] == plain_step["while"] and tier0["cond"] == plain_step["cond"]
+    extra = {name: n - plain_step[name] for name, n in tier0.items() if n != plain_step[name]}
+    if method != "eagle3":
+        assert extra == {}
+        return
+    assert extra.pop("scatter") == 1
+    assert not set(extra) & {"dot_general", "while", "cond", "exp", "log", "argmax", "reduce_max", "sort"}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# catching up after plain steps == having drafted all along
+# ------------------------------------------------------------------------------------------------------------
+
+TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=61, hidden_size=32, intermediate_size=48,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5,
+            rope_theta=1e4, tie_word_embeddings=True, max_position_embeddings=256)
+
+
+def _rows(B: int) -> RowParams:
+    return RowParams(temperature=jnp.zeros((B,)), top_k=jnp.zeros((B,), jnp.int32), top_p=jnp.ones((B,)),
+                     min_p=jnp.zeros((B,)), seed=jnp.arange(B, dtype=jnp.uint32),
+                     max_tokens=jnp.full((B,), 50, jnp.int32), min_tokens=jnp.zeros((B,), jnp.int32),
+                     stop_ids=jnp.full((B, 1), -1, jnp.int32))
+
+
+@pytest.mark.parametrize("plain_steps", [1, 5, 20])
+def test_a_draft_model_caught_up_drafts_as_if_it_never_paused(plain_steps):
+    """Draft KV after catch_up over plain_steps committed tokens (a row that paused) equals the KV of a
+    prefill over every committed token, and so do the drafts; a row that did not pause is left as it was."""
+    cfg = LlamaConfig.from_hf_dict(TINY)
+    graph, state = nnx.split(FAMILY.random(cfg, seed=3))
+    S, k = 48, 2
+    proposer = DraftModelProposer(graph, k, probabilistic=False, cache_bytes=lambda b, n: 0)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 61, (2, S)), jnp.int32)
+    prompt = jnp.asarray([6, 9], jnp.int32)
+    prompt_tokens = jnp.where(jnp.arange(16)[None, :] < prompt[:, None], tokens[:, :16], 0)
+    carry = proposer.init(state, prompt_tokens, prompt, S)
+    lengths = prompt + jnp.asarray([1 + plain_steps, 1])   # row 0 paused for plain_steps, row 1 did not
+    caught = jax.jit(proposer.catch_up)(state, carry, tokens, lengths, _rows(2))
+    fresh = proposer.init(state, tokens, jnp.full((2,), S, jnp.int32), S)
+    valid = int(lengths[0]) - 2
+    np.testing.assert_allclose(caught.cache.k[:, 0, :, :valid], fresh.cache.k[:, 0, :, :valid], atol=1e-5)
+    np.testing.assert_allclose(caught.cache.v[:, 0, :, :valid], fresh.cache.v[:, 0, :, :valid], atol=1e-5)
+    np.testing.assert_allclose(caught.cache.k[:, 1, :, :int(prompt[1])], carry.cache.k[:, 1, :, :int(prompt[1])],
+                               atol=1e-5)
+    drafts, _, _ = proposer.propose(state, caught, tokens, lengths, _rows(2))
+    reference, _, _ = proposer.propose(state, fresh, tokens, lengths, _rows(2))
+    assert drafts[0].tolist() == reference[0].tolist()
+
+
+@pytest.mark.parametrize("layout", ["eagle1_yuhuili", "eagle3_yuhuili"])
+@pytest.mark.parametrize("plain_steps", [1, 4, PROBE_EVERY])
+def test_a_head_caught_up_after_plain_steps_equals_one_that_observed_each(tmp_path, layout, plain_steps):
+    """A head that skipped plain_steps one-token passes, then caught up, holds the carry (first draft, fed-back
+    hidden state, valid KV) of a head that observed each pass; in a batch with a row that kept observing."""
+    cfg = LlamaConfig.from_hf_dict(TINY)
+    graph, target_state = nnx.split(FAMILY.random(cfg, seed=0))
+    target_state = jax.tree.map(lambda x: x * 3, target_state)
+    target = nnx.merge(graph, target_state)
+    method = "eagle" if layout.startswith("eagle1") else "eagle3"
+    head = load_eagle_head(write_head(tmp_path / layout, TINY, layout, scale=0.3), method, cfg, target_state,
+                           np.float32)
+    head_graph, head_state = nnx.split(head)
+    features = cfg.hidden_size * max(1, len(head.capture_layers))
+    proposer = HeadProposer(head_graph, head, 3, probabilistic=False, feature_size=features,
+                            catch_up_window=PROBE_EVERY)
+    S, B = 64, 2
+    rng = np.random.default_rng(1)
+    tokens = jnp.asarray(rng.integers(0, 61, (B, S)), jnp.int32)
+    rows = _rows(B)
+    observe, skipped = jax.jit(proposer.observe), jax.jit(proposer.skipped)
+
+    def target_pass(start, T, cache):
+        window = jnp.take_along_axis(tokens, start[:, None] + jnp.arange(T)[None, :], axis=1)
+        hidden, cache, aux = target(window, start, cache, capture_layers=proposer.capture_layers)
+        return TargetPass(hidden, aux.captured, start), cache
+
+    lengths = jnp.asarray([8, 8], jnp.int32)
+    passed, cache = target_pass(jnp.zeros((B,), jnp.int32), 8, target.init_cache(B, S))
+    start_carry = observe(head_state, proposer.init(head_state, tokens[:, :8], lengths - 1, S), passed, tokens,
+                          lengths, rows)
+    observed, paused = start_carry, start_carry
+    for _ in range(plain_steps):
+        passed, cache = target_pass(lengths - 1, 1, cache)
+        lengths = lengths + 1
+        observed = observe(head_state, observed, passed, tokens, lengths, rows)
+        # Row 1 kept observing, row 0 paused.
+        skip = skipped(head_state, paused, passed, tokens, lengths, rows)
+        both = observe(head_state, paused, passed, tokens, lengths, rows)
+        paused = _row0_from(skip, both, B)
+    caught = jax.jit(proposer.catch_up)(head_state, paused, tokens, lengths, rows)
+    valid = int(lengths[0]) - 1
+    np.testing.assert_allclose(caught.hidden, observed.hidden, atol=1e-5)
+    assert caught.first.tolist() == observed.first.tolist()
+    np.testing.assert_allclose(caught.cache.k[:, :, :, :valid], observed.cache.k[:, :, :, :valid], atol=1e-5)
+    np.testing.assert_allclose(caught.cache.v[:, :, :, :valid], observed.cache.v[:, :, :, :valid], atol=1e-5)
+
+
+def _row0_from(skipped_carry, observed_carry, B: int):
+    """A carry whose row 0 skipped the pass and whose row 1 observed it (the head's cache keeps the batch on
+    axis 1; the other leaves on axis 0)."""
+    def pick(skip, seen, axis):
+        mask = (jnp.arange(B) == 0).reshape((1,) * axis + (B,) + (1,) * (skip.ndim - axis - 1))
+        return jnp.where(mask, skip, seen)
+
+    cache = jax.tree.map(lambda s, o: pick(s, o, 1), skipped_carry.cache, observed_carry.cache)
+    rest = {name: pick(getattr(skipped_carry, name), getattr(observed_carry, name), 0)
+            for name in ("first", "first_probs", "hidden", "pending", "pending_from")}
+    return adaptive.dataclasses.replace(observed_carry, cache=cache, **rest)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# step times: measured once per shape and stored
+# ------------------------------------------------------------------------------------------------------------
+
+def test_step_times_are_the_slope_over_iterations():
+    """A fake loop whose iterations cost tier+1 ms plus a fixed 5 ms: the measured costs are the slopes."""
+    import time
+
+    class State:
+        def __init__(self, steps):
+            self.steps = np.int32(steps)
+
+    def run(inputs, rows):
+        steps = int(np.max(rows.max_tokens))
+        time.sleep(0.005 + steps * (int(inputs.forced_tier) + 1) * 1e-3)
+        return State(steps)
+
+    costs = calibration.measure_step_costs(run, _rows(2), 3, room=32)
+    np.testing.assert_allclose(costs, [1e-3, 2e-3, 3e-3], rtol=0.3)
+    assert calibration.measure_step_costs(run, _rows(2), 3, room=2) == (1.0, 1.0, 1.0)
+
+
+def test_auto_calibrates_a_shape_once_and_stores_it(tiny_dir, default_model_dir, workload, monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "speculation_policy": "auto"}
+    prompts, params = workload[0][:SLOTS], workload[1][:SLOTS]
+    _llm(tiny_dir, default_model_dir, spec).generate(prompts, params, use_tqdm=False)
+    stored = json.loads((tmp_path / "step_costs.json").read_text())
+    assert len(stored) == 1 and all(c > 0 for c in next(iter(stored.values())))
+    assert len(next(iter(stored.values()))) == len(auto_tiers(K))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("calibrated again")
+
+    monkeypatch.setattr("specjax.engine.runner.measure_step_costs", refuse)
+    _llm(tiny_dir, default_model_dir, spec).generate(prompts, params, use_tqdm=False)
