@@ -2,11 +2,13 @@
 n-gram speculation, greedy, on held-out GSM8K questions (the training run's held-out split).
 
     PYTHONPATH=. python benchmarks/bench_eagle.py [--head HEAD_DIR (default: the shipped head)] [--num 32]
-        [--max-tokens 256] [--batches 1,8] [--k 3] [--smoke]
+        [--max-tokens 256] [--batches 1,8] [--k 3] [--policy fixed|auto|fixed,auto] [--prompts FILE] [--smoke]
 
 Prints a table (tokens/s, speedup over plain, acceptance length and per-position rates, same tokens as plain)
 and writes $OUT/bench_eagle.json (or benchmarks/results). `--smoke`: two questions, a few tokens, batch 1 (checks
-the script).
+the script). `--policy auto` runs the speculative engines under adaptive speculation (k chosen each step
+between 0 and --k; the step times are measured in the untimed warm-up run), and reports how often each k ran.
+`--prompts ../shared/data/chat_prompts.jsonl` takes general chat prompts instead of GSM8K's questions.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ def main(argv=None) -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--policy", default="fixed", help="speculation_policy of the speculative engines: "
+                        "fixed, auto, or both (fixed,auto)")
     parser.add_argument("--smoke", action="store_true", help="2 questions, 8 tokens, batch 1: checks the script")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -38,10 +42,12 @@ def main(argv=None) -> None:
     model_dir = default_model_dir()
     _, held = data_lib.split_heldout(data_lib.load_questions(args.prompts), args.num_heldout)
     prompt_ids = data_lib.chat_prompt_ids(load_tokenizer(str(model_dir)), held[:args.num])
-    specs = [("plain", None),
-             (f"ngram k={args.k}", {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
-                                    "prompt_lookup_min": 2}),
-             (f"eagle3 k={args.k}", {"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k})]
+    drafters = [(f"ngram k={args.k}", {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
+                                       "prompt_lookup_min": 2}),
+                (f"eagle3 k={args.k}", {"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k})]
+    specs = [("plain", None)] + [(name if policy == "fixed" else f"{name} {policy}",
+                                  {**spec, "speculation_policy": policy})
+                                 for policy in args.policy.split(",") for name, spec in drafters]
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         plain = None
@@ -53,7 +59,8 @@ def main(argv=None) -> None:
                              speedup=round(plain["seconds"] / result["seconds"], 2),
                              acceptance_length=result["acceptance_length"] and round(result["acceptance_length"], 3),
                              per_position=result["per_position"] and [round(r, 3) for r in result["per_position"]],
-                             same_as_plain=result["tokens"] == plain["tokens"]))
+                             same_as_plain=result["tokens"] == plain["tokens"],
+                             iterations_per_k=result["iterations_per_k"]))
     print_table(rows)
     write_json("bench_eagle", rows)
 

@@ -154,11 +154,13 @@ def _fmt(v) -> str:
 def time_llm(model_dir, spec: dict | None, prompt_ids: list[list[int]], batch: int, max_tokens: int,
              dtype: str = "auto") -> dict:
     """Greedy generation of prompt_ids through the LLM facade, batch rows per wave, compiled beforehand:
-    tokens per prompt, seconds, and vLLM's acceptance length and per-position acceptance rates."""
+    tokens per prompt, seconds, vLLM's acceptance length and per-position acceptance rates, and (adaptive
+    speculation) the timed run's loop iterations at each k."""
     llm = LLM(str(model_dir), speculative_config=spec, max_model_len=1024, max_num_seqs=batch, dtype=dtype)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     inputs = [{"prompt_token_ids": ids} for ids in prompt_ids]
     llm.generate(inputs, params, use_tqdm=False)  # compiles every shape bucket the timed run meets
+    warm_iterations = _iterations_per_k(llm)
     start = time.perf_counter()
     outs = [o.outputs[0] for o in llm.generate(inputs, params, use_tqdm=False)]
     seconds = time.perf_counter() - start
@@ -166,5 +168,13 @@ def time_llm(model_dir, spec: dict | None, prompt_ids: list[list[int]], batch: i
     accepted = sum(o.num_accepted_tokens for o in outs)
     per_position = ([sum(o.num_accepted_tokens_per_pos[i] for o in outs) / drafts
                      for i in range(spec["num_speculative_tokens"])] if spec and drafts else None)
+    iterations = _iterations_per_k(llm)
     return dict(tokens=[o.token_ids for o in outs], seconds=seconds,
-                acceptance_length=(1 + accepted / drafts) if drafts else None, per_position=per_position)
+                acceptance_length=(1 + accepted / drafts) if drafts else None, per_position=per_position,
+                iterations_per_k=iterations and [n - w for n, w in zip(iterations, warm_iterations)])
+
+
+def _iterations_per_k(llm: LLM) -> list[int] | None:
+    """Loop iterations run at each k so far (adaptive speculation), else None."""
+    found = [m.values for m in llm.get_metrics() if m.name == "specjax:spec_decode_iterations_per_k"]
+    return found[0] if found else None

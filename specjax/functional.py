@@ -7,8 +7,10 @@
 
 prompt_tokens [B, P] int32 right-padded, prompt_lengths [B] int32 (1 <= length <= P). Returns tokens [B, S]
 (prompt then generated tokens; slots at or beyond lengths[b] are garbage), lengths [B] and a dict of
-per-row speculative counters. Every row uses `sampling_params`; each row's seed is drawn from `rng`.
-Stop strings are matched on text and so are the host's job: only token-level stops apply here.
+per-row speculative counters (with an adaptive speculation_policy, also "k_per_step" and
+"live_per_step", one entry per loop iteration, zero past the last). Every row uses `sampling_params`; each
+row's seed is drawn from `rng`. Stop strings are matched on text and so are the host's job: only token-level
+stops apply here.
 """
 from __future__ import annotations
 
@@ -17,8 +19,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from specjax.engine.adaptive import policy_inputs
 from specjax.engine.loop import LoopSpec, build_generate
+from specjax.engine.proposers.base import spare_slots
 from specjax.engine.rows import row_params
 from specjax.engine.runner import synthetic_rates
 from specjax.engine.shapes import buffer_len
@@ -30,9 +35,16 @@ def make_generate_fn(llm: Any, sampling_params: SamplingParams) -> Callable:
     if sampling_params.n != 1:
         raise ValueError("make_generate_fn takes n=1: vmap the function over rng for several samples")
     config, k = llm.config, llm.proposer.k
-    spec = LoopSpec(k=k, n_top=0, max_model_len=config.max_model_len, greedy=sampling_params.is_greedy)
+    policy = None if config.speculative is None or not config.speculative.policy.adaptive else config.speculative.policy
+    if policy is not None and policy.mode == "auto" and policy.step_costs is None:
+        raise ValueError("make_generate_fn cannot measure step times inside your jit: give speculative_config "
+                         "'step_costs' ({k: seconds per iteration} for the tiers "
+                         f"{list(policy.tiers)}) with speculation_policy 'auto', or use the 'table' policy")
+    spec = LoopSpec(k=k, n_top=0, max_model_len=config.max_model_len, greedy=sampling_params.is_greedy,
+                    policy=policy)
     generate = build_generate(llm.target_graph, llm.proposer, spec, mesh=llm.mesh)
     rates = synthetic_rates(config.speculative)
+    inputs = None if policy is None else policy_inputs(np.asarray(policy.step_costs or [1.0] * len(policy.tiers)))
 
     def generate_fn(params, draft_params, prompt_tokens: jax.Array, prompt_lengths: jax.Array, rng: jax.Array):
         B, P = prompt_tokens.shape
@@ -42,10 +54,13 @@ def make_generate_fn(llm: Any, sampling_params: SamplingParams) -> Callable:
         seeds = jax.random.randint(rng, (B,), 0, jnp.iinfo(jnp.int32).max).astype(jnp.uint32)
         rows = dataclasses.replace(jax.tree.map(jnp.asarray, host_rows), seed=seeds)
         state = generate(params, draft_params, prompt_tokens.astype(jnp.int32), prompt_lengths.astype(jnp.int32),
-                         rows, buffer_len(P, P, max_new, k, config.max_model_len), rates)
+                         rows, buffer_len(P, P, max_new, spare_slots(llm.proposer), config.max_model_len), rates,
+                         inputs)
         c = state.counters
         stats = {"num_drafts": c.num_drafts, "num_draft_tokens": c.num_draft_tokens,
                  "num_accepted_tokens": c.num_accepted, "num_accepted_tokens_per_pos": c.accepted_per_pos}
+        if state.adapt is not None:
+            stats.update(k_per_step=state.adapt.k_per_step, live_per_step=state.adapt.live_per_step)
         return state.tokens, state.lengths, stats
 
     return generate_fn

@@ -397,3 +397,29 @@ def test_auto_calibrates_a_shape_once_and_stores_it(tiny_dir, default_model_dir,
 
     monkeypatch.setattr("specjax.engine.runner.measure_step_costs", refuse)
     _llm(tiny_dir, default_model_dir, spec).generate(prompts, params, use_tqdm=False)
+
+
+def test_the_functional_core_runs_the_table_policy(tiny_dir, default_model_dir, workload, plain_tokens):
+    from specjax.functional import make_generate_fn
+
+    prompts, params = workload
+    spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, **TABLE}
+    llm = _llm(tiny_dir, default_model_dir, spec)
+    new = 12
+    fn = jax.jit(make_generate_fn(llm, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)))
+    ids = [p["prompt_token_ids"] for p in prompts[:SLOTS]]
+    lengths = np.asarray([len(t) for t in ids], np.int32)
+    padded = np.zeros((SLOTS, 16), np.int32)
+    for b, t in enumerate(ids):
+        padded[b, :len(t)] = t
+    tokens, ends, stats = fn(llm.params, llm.draft_params, padded, lengths, jax.random.key(0))
+    for b in range(SLOTS):
+        got = np.asarray(tokens[b, lengths[b]:ends[b]]).tolist()
+        assert got[:params[b].max_tokens] == plain_tokens[b][:new]
+    steps = int(np.sum(np.asarray(stats["live_per_step"]) > 0))
+    assert set(np.asarray(stats["k_per_step"])[:steps].tolist()) <= {0, 1, 3}
+
+    auto = _llm(tiny_dir, default_model_dir, {**spec, "num_speculative_tokens_per_batch_size": None,
+                                              "speculation_policy": "auto"})
+    with pytest.raises(ValueError, match="step_costs"):
+        make_generate_fn(auto, SamplingParams(max_tokens=4))
