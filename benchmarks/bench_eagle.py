@@ -2,7 +2,8 @@
 n-gram speculation, greedy, on held-out GSM8K questions (the training run's held-out split).
 
     PYTHONPATH=. python benchmarks/bench_eagle.py [--head HEAD_DIR (default: the shipped head)] [--num 32]
-        [--max-tokens 256] [--batches 1,8] [--k 3] [--policy fixed|auto|fixed,auto] [--prompts FILE] [--smoke]
+        [--max-tokens 256] [--batches 1,8] [--k 3] [--policy fixed|auto|fixed,auto] [--prompts FILE] [--dtype bfloat16]
+        [--smoke]
 
 Prints a table (tokens/s, speedup over plain, acceptance length and per-position rates, same tokens as plain)
 and writes $OUT/bench_eagle.json (or benchmarks/results). `--smoke`: two questions, a few tokens, batch 1 (checks
@@ -33,6 +34,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--dtype", default="auto", help="the engines' dtype (auto: the checkpoint's, fp32)")
     parser.add_argument("--policy", default="fixed", help="speculation_policy of the speculative engines: "
                         "fixed, auto, or both (fixed,auto)")
     parser.add_argument("--smoke", action="store_true", help="2 questions, 8 tokens, batch 1: checks the script")
@@ -52,7 +54,7 @@ def main(argv=None) -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         plain = None
         for name, spec in specs:
-            result = time_llm(model_dir, spec, prompt_ids, batch, args.max_tokens)
+            result = time_llm(model_dir, spec, prompt_ids, batch, args.max_tokens, dtype=args.dtype)
             plain = plain or result
             n = sum(map(len, result["tokens"]))
             rows.append(dict(engine=f"specjax {name}", batch=batch, tok_s=round(n / result["seconds"], 1),
