@@ -111,8 +111,20 @@ def tiny_chat_model(tmp_path_factory, default_model_dir) -> Path:
                                          "num_hidden_layers": 4})
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(default_model_dir / name, out / name)
+    return copy_tokenizer(default_model_dir, out)
+
+
+# The chat template lives in tokenizer_config.json or beside it in chat_template.jinja, by who wrote the
+# directory (the default model's converter writes the former).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def copy_tokenizer(source: Path, out: Path) -> Path:
+    """The tokenizer files `source` has, copied into `out`."""
+    present = [name for name in TOKENIZER_FILES if (source / name).is_file()]
+    assert "tokenizer.json" in present, f"{source} holds no tokenizer.json"
+    for name in present:
+        shutil.copy(source / name, out / name)
     return out
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from conftest import TINY_COMMON, TINY_FAMILIES
+from conftest import TINY_COMMON, TINY_FAMILIES, copy_tokenizer
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 DEFAULT_VOCAB = 49152   # SmolLM2's: text prompts tokenize within it
 
 
@@ -33,6 +32,4 @@ def with_tokenizer(model_dir: Path, out: Path, default_model_dir: Path) -> Path:
 
 
 def _add_tokenizer(out: Path, default_model_dir: Path) -> Path:
-    for name in TOKENIZER_FILES:
-        shutil.copy(default_model_dir / name, out / name)
-    return out
+    return copy_tokenizer(default_model_dir, out)

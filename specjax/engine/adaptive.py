@@ -1,12 +1,13 @@
-"""Adaptive speculation on the device: which compiled k tier the next loop iteration runs, and the statistics
+"""Adaptive speculation on the device: which compiled k tier the next loop iterations run, and the statistics
 that choice reads (running per-position acceptance, and a record of each iteration's k and live rows).
 
-The tiers are one `lax.switch` in the loop body (loop.py); k = 0 is a plain decode step. "auto" scores a tier k
+The tiers are one `lax.switch` in the loop body (loop.py), each branch a segment of up to SEGMENT iterations of
+its k; k = 0 is a plain decode step. "auto" scores a tier k
 by the tokens a row expects from it, 1 + sum_{i<k} prod_{j<=i} a_j with a_j the running conditional acceptance
 at draft position j, over the tier's step time, and takes the best. Dead rows cost as much as live ones in a
 compiled batch, so the step times are per compiled shape and the live count enters through the statistics.
 A tier not run stops updating its positions' rates, so after PROBE_EVERY plain steps in a row the loop runs
-the largest tier once to look again (a bounded cost: one speculative step in PROBE_EVERY + 1).
+the largest tier for a segment to look again (a bounded cost: a speculative segment in every few).
 """
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ import jax.numpy as jnp
 
 from specjax.config.speculation_policy import PROBE_EVERY, SpeculationPolicy
 
+# Iterations per choice: each choice costs a copy of the KV caches (loop.py says why); at SEGMENT = 8 that copy
+# is an eighth of one per step. PROBE_EVERY is a multiple, so probes fall on segment starts.
+SEGMENT = 8
 # Weight of the newest step in the running acceptance (about the last 1 / EMA_WEIGHT steps count).
 EMA_WEIGHT = 0.25
 

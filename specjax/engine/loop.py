@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from specjax.config.speculation_policy import SpeculationPolicy
 from specjax.engine import sampling
-from specjax.engine.adaptive import PolicyInputs, choose_tier, init_adapt, record
+from specjax.engine.adaptive import SEGMENT, PolicyInputs, choose_tier, init_adapt, record
 from specjax.engine.proposers.base import Proposer, TargetPass
 from specjax.engine.rejection import rejection_sample
 from specjax.engine.state import LoopState, RowParams, SpecCounters, TokenCounts, TokenLogprobs
@@ -86,11 +86,14 @@ def build_stream(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpec)
 def _decode(target, proposer, draft_state, state: LoopState, rows: RowParams, spec: LoopSpec, synthetic_rates,
             max_steps: jax.Array | None = None) -> LoopState:
     """The step repeated while a row is running, and (when max_steps is given) at most max_steps times."""
-    step = _step_fn(target, proposer, draft_state, rows, spec, synthetic_rates)
-    if max_steps is None:
-        return jax.lax.while_loop(lambda s: jnp.any(~s.done), step, state)
-    stop_at = state.steps + max_steps
-    return jax.lax.while_loop(lambda s: jnp.any(~s.done) & (s.steps < stop_at), step, state)
+    stop_at = None if max_steps is None else state.steps + max_steps
+
+    def running(s: LoopState) -> jax.Array:
+        going = jnp.any(~s.done)
+        return going if stop_at is None else going & (s.steps < stop_at)
+
+    body = _body_fn(target, proposer, draft_state, rows, spec, synthetic_rates, running)
+    return jax.lax.while_loop(running, body, state)
 
 
 def jit_generate(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpec, *, mesh: Mesh | None = None,
@@ -177,39 +180,56 @@ def _init_adapt(spec: LoopSpec, cache_len: int, policy: PolicyInputs | None):
     return init_adapt(spec.k, cache_len, policy)
 
 
-def _step_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, synthetic_rates):
-    """The loop body: the one tier of a fixed k, or (adaptive) every tier behind one lax.switch."""
+def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, synthetic_rates, running):
+    """The loop body: one step of a fixed k; or (adaptive) a segment of up to SEGMENT steps of the tier chosen
+    at its start, every tier's segment behind one lax.switch. A conditional copies the buffers its branch
+    updates (XLA aliases no conditional operand with its result), the KV caches among them, so the choice is
+    made once a segment rather than every step."""
     policy = spec.policy
     if policy is None:
         return _tier_step(target, proposer, draft_state, rows, spec, synthetic_rates, spec.k, adaptive=False)
-    tiers = [_tier_step(target, proposer, draft_state, rows, spec, synthetic_rates, k, adaptive=True)
-             for k in policy.tiers]
 
-    def step(state: LoopState) -> LoopState:
-        active = ~state.done
-        live = jnp.sum(active).astype(jnp.int32)
-        tier = choose_tier(state.adapt, live, policy)
-        before = state.counters
-        state = jax.lax.switch(tier, tiers, state)
-        adapt = record(state.adapt, state.steps - 1, jnp.asarray(policy.tiers, jnp.int32)[tier], live,
-                       state.counters.num_draft_tokens - before.num_draft_tokens,
-                       state.counters.num_accepted - before.num_accepted, active)
-        return dataclasses.replace(state, adapt=adapt)
+    def segment(k: int):
+        step = _tier_step(target, proposer, draft_state, rows, spec, synthetic_rates, k, adaptive=True)
 
-    return step
+        def recorded_step(state: LoopState) -> LoopState:
+            active = ~state.done
+            before = state.counters
+            state = step(state)
+            adapt = record(state.adapt, state.steps - 1, jnp.asarray(k, jnp.int32),
+                           jnp.sum(active).astype(jnp.int32),
+                           state.counters.num_draft_tokens - before.num_draft_tokens,
+                           state.counters.num_accepted - before.num_accepted, active)
+            return dataclasses.replace(state, adapt=adapt)
+
+        def run(state: LoopState) -> LoopState:
+            end = state.steps + SEGMENT
+            return jax.lax.while_loop(lambda s: running(s) & (s.steps < end), recorded_step, state)
+
+        return run
+
+    segments = [segment(k) for k in policy.tiers]
+
+    def body(state: LoopState) -> LoopState:
+        tier = choose_tier(state.adapt, jnp.sum(~state.done).astype(jnp.int32), policy)
+        return jax.lax.switch(tier, segments, state)
+
+    return body
 
 
 def _tier_step(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, synthetic_rates, k: int,
                adaptive: bool):
-    """One iteration drafting k tokens per row. k = 0 is a plain decode step: no proposer, a one-token target
-    pass, plain sampling; an adaptive loop's proposer only keeps (`skipped`) what its catch_up needs later."""
+    """One iteration drafting k tokens per row. An adaptive loop's k = 0 tier is a plain decode step: no
+    proposer, a one-token target pass, plain sampling; the proposer only keeps (`skipped`) what its catch_up
+    needs later."""
     drafter = proposer.with_k(k) if adaptive and k > 0 else proposer
+    plain_tier = adaptive and k == 0   # a fixed k = 0 (plain decoding, recording) runs its proposer as any k
     rates = None if synthetic_rates is None else synthetic_rates[:k]
 
     def step(state: LoopState) -> LoopState:
         B = state.lengths.shape[0]
         budget = _budget(state, rows, spec)
-        if k == 0:
+        if plain_tier:
             drafts, draft_probs, proposer_state = jnp.zeros((B, 0), jnp.int32), None, state.proposer
         else:
             carry = state.proposer
@@ -232,7 +252,7 @@ def _tier_step(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, s
                                     steps=state.steps + 1)
         state = _commit(state, out, accepted + 1, raw_logits, rows, spec)
         passed = TargetPass(hidden, aux.captured, start)
-        if k == 0:
+        if plain_tier:
             carry = proposer.skipped(draft_state, state.proposer, passed, state.tokens, state.lengths, rows)
             return dataclasses.replace(state, proposer=carry)
         return _observe(drafter, draft_state, state, passed, rows)
