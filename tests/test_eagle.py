@@ -205,7 +205,7 @@ PROMPTS = [
     "Write a short story about a robot who learns to paint.",
     "1, 2, 3, 4,",
 ]
-GREEDY_128 = SamplingParams(temperature=0.0, max_tokens=128)
+GREEDY_64 = SamplingParams(temperature=0.0, max_tokens=64)
 LEN = dict(max_model_len=384, max_num_seqs=8)
 
 
@@ -217,7 +217,7 @@ def default_config(default_model_dir):
 @pytest.fixture(scope="module")
 def plain_outputs(default_model_dir):
     llm = LLM(str(default_model_dir), **LEN)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY_128, use_tqdm=False)]
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY_64, use_tqdm=False)]
 
 
 @pytest.mark.parametrize("layout, dirname, extra", [
@@ -232,7 +232,7 @@ def test_greedy_eagle_equals_plain_decoding(default_model_dir, default_config, p
     k = 3
     llm = LLM(str(default_model_dir), speculative_config={"model": str(head), "num_speculative_tokens": k}, **LEN)
     assert llm.config.speculative.method == ("eagle" if layout.startswith("eagle1") else "eagle3")
-    outs = llm.generate(PROMPTS, GREEDY_128, use_tqdm=False)
+    outs = llm.generate(PROMPTS, GREEDY_64, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     metrics = {m.name: m for m in llm.get_metrics()}
     assert metrics["vllm:spec_decode_num_draft_tokens"].value >= k * 50
