@@ -2,6 +2,8 @@
 propose -> verify -> accept -> commit -> observe. Plain decoding is the same loop with k = 0.
 Streaming runs the same prefill and loop as two jitted functions, the loop in bounded chunks (build_stream).
 `observe` hands the proposer the target's hidden states of the pass just committed (EAGLE reads them).
+Adaptive speculation (spec.policy) runs the loop in segments, each of one k tier chosen on the device
+(engine/adaptive.py), k = 0 a plain decode step.
 Penalties (when the rows carry them) are applied at every verify position to the counts a plain step would
 see there: the committed tokens plus the drafts before that position, which are committed when it matters.
 """

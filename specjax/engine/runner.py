@@ -79,6 +79,7 @@ class WaveRunner:
         self.policy = None if spec is None or not spec.policy.adaptive else spec.policy
         self.cost_key = cost_key
         self.step_cost_store = StepCostStore(cache_root() / "step_costs.json")
+        self._step_costs: dict[str, PolicyInputs] = {}   # this engine's, by shape: the file is read once each
         self.traces: list[WaveTrace] = []       # adaptive waves' records, in the order they ran
 
     def waves(self, requests: Sequence[Request]) -> Iterator[list[Request]]:
@@ -140,12 +141,14 @@ class WaveRunner:
         store_key = "|".join(map(str, (self.cost_key, f"tiers={policy.tiers}", f"rows={len(lengths)}",
                                        f"slots={cache_len}", f"loop={key}", jax.devices()[0].device_kind,
                                        f"jax={jax.__version__}")))
-        costs = self.step_cost_store.get(store_key)
-        if costs is None or len(costs) != len(policy.tiers):
-            room = cache_len - spare_slots(self.proposer) - 1 - int(np.max(lengths))
-            costs = measure_step_costs(run, rows, len(policy.tiers), room)
-            self.step_cost_store.put(store_key, costs)
-        return policy_inputs(np.asarray(costs, np.float32))
+        if store_key not in self._step_costs:
+            costs = self.step_cost_store.get(store_key)
+            if costs is None or len(costs) != len(policy.tiers):
+                room = cache_len - spare_slots(self.proposer) - 1 - int(np.max(lengths))
+                costs = measure_step_costs(run, rows, len(policy.tiers), room)
+                self.step_cost_store.put(store_key, costs)
+            self._step_costs[store_key] = policy_inputs(np.asarray(costs, np.float32))
+        return self._step_costs[store_key]
 
     def generate_fn(self, n_top: int, greedy: bool, ranks: bool = False, prompt_top: int | None = None):
         """One jitted function per LoopSpec (top logprobs, all rows greedy, ranks, prompt logprobs); jit itself
