@@ -107,11 +107,15 @@ def build_proposer(spec: SpeculativeConfig | None, target: Target, *,
     if spec.method not in PROPOSER_BUILDERS:
         raise NotImplementedError(f"speculative method {spec.method!r} has no proposer yet; "
                                   f"available: {sorted(PROPOSER_BUILDERS)}")
+    if spec.tree is not None and not target.module.supports_trees:
+        raise ValueError(f"speculative_config['tree_nodes']: this target ({target.cfg.architecture}) cannot verify "
+                         "a draft tree yet; drop tree_nodes to draft chains")
     return PROPOSER_BUILDERS[spec.method](spec, target, unroll_layers)
 
 
 def _ngram(spec: SpeculativeConfig, target: Target, unroll_layers: bool | None) -> tuple[Proposer, Any]:
-    return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max), None
+    return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                         tree=spec.tree), None
 
 
 def _draft_model(spec: SpeculativeConfig, target: Target, unroll_layers: bool | None) -> tuple[Proposer, Any]:
@@ -162,7 +166,7 @@ def _head_proposer(head: Any, spec: SpeculativeConfig, target: Target) -> tuple[
     features = target.cfg.hidden_size * max(1, len(head.capture_layers))
     proposer = HeadProposer(graph, head, spec.num_speculative_tokens,
                             probabilistic=spec.draft_sample_method == "probabilistic", feature_size=features,
-                            catch_up_window=PROBE_EVERY if spec.policy.adaptive else 0)
+                            catch_up_window=PROBE_EVERY if spec.policy.adaptive else 0, tree=spec.tree)
     if target.mesh is None:
         return proposer, state
     return Replicated(proposer), replicate_onto(state, target.mesh)

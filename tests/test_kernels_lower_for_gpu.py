@@ -17,6 +17,7 @@ from specjax.kernels.attention_triton import attention_triton
 from specjax.kernels.projection_triton import projection_triton
 from specjax.kernels.top_k_top_p import LARGE_BATCH_CONFIG
 from specjax.kernels.top_k_top_p_triton import SearchConfig, keep_mask_triton
+from specjax.kernels.tree_mask import TreeMask
 
 
 @pytest.fixture
@@ -59,6 +60,19 @@ def test_attention_kernel_lowers(triton_modules, batch, tokens, heads, kv_heads,
     start = jnp.zeros((batch,), jnp.int32)
     lower_for_cuda(lambda q, k, v, s, w: attention_triton(q, k, v, 1, s, scale=0.1, window=w), q, cache, cache, start,
                    jnp.int32(window))
+    assert_verified(triton_modules)
+
+
+@pytest.mark.parametrize("batch, nodes, slots, window", [(1, 32, 1024, 0), (8, 16, 600, 0), (1, 64, 512, 4096)])
+def test_tree_attention_kernel_lowers(triton_modules, batch, nodes, slots, window):
+    """A draft tree's verify pass: the tree mask's loads (the default model's heads)."""
+    q = jnp.zeros((batch, nodes + 1, 9, 64), jnp.bfloat16)
+    cache = jnp.zeros((2, batch, 3, slots, 64), jnp.bfloat16)
+    start = jnp.zeros((batch,), jnp.int32)
+    tree = TreeMask(positions=jnp.zeros((batch, nodes + 1), jnp.int32), region_start=start,
+                    visible=jnp.zeros((batch, nodes + 1, nodes + 1), bool))
+    lower_for_cuda(lambda q, k, v, s, w, t: attention_triton(q, k, v, 1, s, scale=0.1, window=w, tree=t), q, cache,
+                   cache, start, jnp.int32(window), tree)
     assert_verified(triton_modules)
 
 

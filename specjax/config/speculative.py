@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from specjax.config.draft_tree import TreeShape, parse_tree
 from specjax.config.speculation_policy import SpeculationPolicy, parse_policy
 from specjax.config.validators import (ANY, check_int, check_optional_str, is_number, optional_bool,
                                        path_or_id)
@@ -26,7 +27,7 @@ SPEC_KEYS = (
     "method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
     "draft_tensor_parallel_size", "max_model_len", "revision", "enforce_eager", "draft_sample_method",
     "rejection_sample_method", "synthetic_acceptance_rates", "synthetic_acceptance_length",
-    "num_speculative_tokens_per_batch_size", "speculation_policy", "step_costs",
+    "num_speculative_tokens_per_batch_size", "speculation_policy", "step_costs", "tree_nodes", "tree_branching",
 )
 # vLLM speculative_config keys for its CUDA engine: accepted only at these neutral values.
 SPEC_NO_EFFECT_KEYS: dict[str, Any] = {
@@ -50,6 +51,7 @@ class SpeculativeConfig:
     synthetic_acceptance_rates: when rejection_sample_method is "synthetic", the resolved
     per-position *unconditional* rates: entry i is P(the first i+1 drafts are all accepted).
     policy: how many of num_speculative_tokens (the most) each iteration drafts (speculation_policy.py).
+    tree: the draft tree (draft_tree.py), num_speculative_tokens its depth; None drafts chains.
     """
 
     method: str
@@ -65,6 +67,7 @@ class SpeculativeConfig:
     rejection_sample_method: str = "standard"
     synthetic_acceptance_rates: tuple[float, ...] | None = None
     policy: SpeculationPolicy | None = None
+    tree: TreeShape | None = None
 
     def __post_init__(self):
         if self.policy is None:
@@ -92,6 +95,8 @@ class SpeculativeConfig:
                              f"{target_max_model_len}: draft fewer tokens than max_model_len (a few, e.g. 3-5)")
         lookup_min, lookup_max = _prompt_lookup(method, d.get("prompt_lookup_min"), d.get("prompt_lookup_max"))
         draft_sample, rejection_sample = _sample_methods(d)
+        policy = parse_policy(d.get("speculation_policy"), d.get("num_speculative_tokens_per_batch_size"),
+                              d.get("step_costs"), k)
         return cls(
             method=method, num_speculative_tokens=k, model=model,
             prompt_lookup_max=lookup_max, prompt_lookup_min=lookup_min,
@@ -102,8 +107,8 @@ class SpeculativeConfig:
             draft_sample_method=draft_sample, rejection_sample_method=rejection_sample,
             synthetic_acceptance_rates=_synthetic_rates(rejection_sample, k, d.get("synthetic_acceptance_rates"),
                                                         d.get("synthetic_acceptance_length")),
-            policy=parse_policy(d.get("speculation_policy"), d.get("num_speculative_tokens_per_batch_size"),
-                                d.get("step_costs"), k),
+            policy=policy,
+            tree=parse_tree(d, method, k, draft_sample, policy.adaptive, rejection_sample == "synthetic"),
         )
 
     def synthetic_rates(self) -> tuple[float, ...] | None:

@@ -3,7 +3,9 @@ propose -> verify -> accept -> commit -> observe. Plain decoding is the same loo
 Streaming runs the same prefill and loop as two jitted functions, the loop in bounded chunks (build_stream).
 `observe` hands the proposer the target's hidden states of the pass just committed (EAGLE reads them).
 Adaptive speculation (spec.policy) runs the loop in segments, each of one k tier chosen on the device
-(engine/adaptive.py), k = 0 a plain decode step.
+(engine/adaptive.py), k = 0 a plain decode step. A proposer with a draft tree (proposer.tree) drafts one tree per
+step, verified in one target pass with a tree mask (engine/tree_acceptance.py); the accepted path's KV is moved
+to contiguous slots, so rejection stays a length update.
 Penalties (when the rows carry them) are applied at every verify position to the counts a plain step would
 see there: the committed tokens plus the drafts before that position, which are committed when it matters.
 """
@@ -22,7 +24,9 @@ from specjax.config.speculation_policy import SpeculationPolicy
 from specjax.engine import sampling
 from specjax.engine.adaptive import SEGMENT, PolicyInputs, choose_tier, init_adapt, record
 from specjax.engine.proposers.base import Proposer, TargetPass
+from specjax.engine.draft_tree import DraftTree
 from specjax.engine.rejection import rejection_sample
+from specjax.engine.tree_acceptance import accept_tree
 from specjax.engine.state import LoopState, RowParams, SpecCounters, TokenCounts, TokenLogprobs
 from specjax.parallel.mesh import gather_vocab
 from specjax.parallel.sharded_loop import sharded_generate
@@ -188,6 +192,8 @@ def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
     updates (XLA aliases no conditional operand with its result), the KV caches among them, so the choice is
     made once a segment rather than every step."""
     policy = spec.policy
+    if proposer.tree is not None:
+        return _tree_step(target, proposer, draft_state, rows, spec)
     if policy is None:
         return _tier_step(target, proposer, draft_state, rows, spec, synthetic_rates, spec.k, adaptive=False)
 
@@ -262,6 +268,58 @@ def _tier_step(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, s
     return step
 
 
+def _tree_step(target, proposer: Proposer, draft_state, rows: RowParams, spec: LoopSpec):
+    """One iteration drafting a tree per row: one target pass over the root (the last committed token) and the
+    tree's nodes, the accepted path's KV and hidden states moved to follow the root, the path committed."""
+    depth = proposer.k
+
+    def step(state: LoopState) -> LoopState:
+        B = state.lengths.shape[0]
+        budget = _budget(state, rows, spec)
+        tree, draft_probs, proposer_state = proposer.propose_tree(draft_state, state.proposer, state.tokens,
+                                                                  state.lengths, rows)
+        tree = tree.within(budget - 1)
+        last = state.tokens[jnp.arange(B), state.lengths - 1]
+        verify_tokens = jnp.concatenate([last[:, None], jnp.maximum(tree.tokens, 0)], axis=1)
+        start = state.lengths - 1
+        hidden, cache, aux = target(verify_tokens, start, state.cache, capture_layers=proposer.capture_layers,
+                                    tree=tree.verify_mask(start))
+        raw_logits = gather_vocab(target.logits(hidden))  # [B, N+1, V]
+        depths = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), tree.depth], axis=1)
+        logits = _mask_stop_ids(raw_logits, rows, generated=state.lengths - state.prompt_lengths, offsets=depths)
+        logits = _penalised_tree(logits, rows, state.counts, tree)
+        out, accepted, path = accept_tree(logits, tree, draft_probs, depth, rows.temperature, rows.top_k,
+                                          rows.top_p, rows.min_p, rows.seed, state.lengths, greedy_only=spec.greedy,
+                                          kernels=target.kernels)
+        kept = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), path], axis=1)   # root, then the path by depth
+        active = ~state.done
+        state = dataclasses.replace(state, cache=cache.gathered(start[:, None] + kept[:, 1:], start + 1),
+                                    proposer=proposer_state,
+                                    counters=_count(state.counters, tree.tokens, accepted, active),
+                                    steps=state.steps + 1)
+        state = _commit(state, out, accepted + 1, _along(raw_logits, kept), rows, spec)
+        captured = None if aux.captured is None else _along(aux.captured, kept)
+        return _observe(proposer, draft_state, state, TargetPass(_along(hidden, kept), captured, start), rows)
+
+    return step
+
+
+def _along(values: jax.Array, indices: jax.Array) -> jax.Array:
+    """values [B, T, ...] at indices [B, K] along axis 1."""
+    return jnp.take_along_axis(values, indices.reshape(indices.shape + (1,) * (values.ndim - 2)), axis=1)
+
+
+def _penalised_tree(logits: jax.Array, rows: RowParams, counts: TokenCounts | None, tree: DraftTree) -> jax.Array:
+    """_penalised for a tree's N + 1 positions: each counts its strict ancestors' tokens as generated."""
+    if rows.penalties is None:
+        return logits
+    strict = tree.ancestry()[:, :, 1:] & ~jnp.eye(logits.shape[1], dtype=bool)[None, :, 1:]   # [B, N+1, N]
+    drafted = jax.nn.one_hot(tree.tokens, logits.shape[-1], dtype=jnp.int32)                  # -1: all zero
+    generated = counts.generated[:, None] + jnp.einsum("bij,bjv->biv", strict.astype(jnp.int32), drafted)
+    p = rows.penalties
+    return sampling.apply_penalties(logits, counts.in_prompt, generated, p.presence, p.frequency, p.repetition)
+
+
 def _observe(proposer: Proposer, draft_state, state: LoopState, target: TargetPass, rows: RowParams) -> LoopState:
     """Let the proposer read what the target computed, now that the committed lengths are known."""
     carry = proposer.observe(draft_state, state.proposer, target, state.tokens, state.lengths, rows)
@@ -298,10 +356,13 @@ def _clamp_drafts(drafts: jax.Array, budget: jax.Array, k: int) -> jax.Array:
     return jnp.where(missing_before, -1, drafts)
 
 
-def _mask_stop_ids(logits: jax.Array, rows: RowParams, generated: jax.Array) -> jax.Array:
-    """min_tokens: a stop id cannot be produced at output index < min_tokens (vLLM masks its logit)."""
+def _mask_stop_ids(logits: jax.Array, rows: RowParams, generated: jax.Array,
+                   offsets: jax.Array | None = None) -> jax.Array:
+    """min_tokens: a stop id cannot be produced at output index < min_tokens (vLLM masks its logit). Position t
+    produces output index generated + offsets[:, t] (a tree node's depth), generated + t by default."""
     B, T, V = logits.shape
-    too_early = (generated[:, None] + jnp.arange(T)[None, :]) < rows.min_tokens[:, None]  # [B, T]
+    offsets = jnp.arange(T)[None, :] if offsets is None else offsets
+    too_early = (generated[:, None] + offsets) < rows.min_tokens[:, None]  # [B, T]
     is_stop = jnp.zeros((B, V), bool).at[
         jnp.arange(B)[:, None], jnp.maximum(rows.stop_ids, 0)].max(rows.stop_ids >= 0)
     return jnp.where(too_early[:, :, None] & is_stop[:, None, :], -jnp.inf, logits)

@@ -24,6 +24,7 @@ SAMPLE = 0  # a token drawn from the target distribution p (plain decoding, bonu
 ACCEPT = 1  # the uniform u that decides whether a draft token is accepted
 RECOVER = 2  # the token drawn from max(p - q, 0) after a rejection
 DRAFT = 3  # a token drawn by a probabilistic drafter from its own q
+TREE_ACCEPT = 4  # plus the node's index: the uniform that decides whether a draft tree's node is accepted
 
 
 def row_key(seed: jax.Array, position: jax.Array, purpose: int | jax.Array) -> jax.Array:

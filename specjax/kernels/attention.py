@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from specjax.kernels.attention_reference import attention_reference
 from specjax.kernels.attention_triton import KernelConfig, attention_triton, unsupported_reason
 from specjax.kernels.policy import KernelPolicy
+from specjax.kernels.tree_mask import TreeMask, check_tree
 from specjax.parallel.mesh import Layout, current_layout, shards_kv_heads
 
 
@@ -30,36 +31,40 @@ def attention(
     window: jax.Array | int = 0,
     kernels: KernelPolicy = KernelPolicy(),
     config: KernelConfig | None = None,
+    tree: TreeMask | None = None,
 ) -> jax.Array:
     """Causal GQA attention of q [B,T,Hq,D] against layer `layer` of k/v caches [L,B,Hkv,S,D].
 
     Query t of row b sits at absolute position start[b] + t and sees slots <= start[b] + t
     (its K/V already written), and with a sliding window of `window` > 0 tokens only the last `window` of
     them (its own included; a scalar, traced or not: one layer of a scanned stack may have a window and the
-    next none). Returns [B,T,Hq,D] in q.dtype; softmax in fp32. `kernels` chooses the implementation
-    (`choose_attention`); `config` overrides the kernel's launch parameters.
+    next none). A draft tree's pass (`tree`, kernels/tree_mask.py) gives each query its own position and the
+    tree slots it sees instead. Returns [B,T,Hq,D] in q.dtype; softmax in fp32. `kernels` chooses the
+    implementation (`choose_attention`); `config` overrides the kernel's launch parameters.
     """
     _check_inputs(q, k_cache, v_cache, layer, start, scale, window)
+    if tree is not None:
+        check_tree(tree, q.shape[0], q.shape[1])
     chosen = choose_attention(kernels, q.shape, k_cache.shape)
     run = _runner(chosen, scale, kernels.interpret, config)
     layer, window = jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)
     layout = current_layout()
     if layout is None or layout.mesh.size == 1:
-        return run(q, k_cache, v_cache, layer, window, start)
-    return _per_shard(run, layout, q, k_cache, v_cache, layer, window, start)
+        return run(q, k_cache, v_cache, layer, window, start, tree)
+    return _per_shard(run, layout, q, k_cache, v_cache, layer, window, start, tree)
 
 
 def _runner(chosen: Literal["reference", "triton"], scale: float, interpret: bool, config: KernelConfig | None):
-    def run(q, k_cache, v_cache, layer, window, start):
+    def run(q, k_cache, v_cache, layer, window, start, tree):
         if chosen == "reference":
-            return attention_reference(q, k_cache, v_cache, layer, start, scale=scale, window=window)
+            return attention_reference(q, k_cache, v_cache, layer, start, scale=scale, window=window, tree=tree)
         return attention_triton(q, k_cache, v_cache, layer, start, scale=scale, window=window, config=config,
-                                interpret=interpret)
+                                interpret=interpret, tree=tree)
 
     return run
 
 
-def _per_shard(run, layout: Layout, q, k_cache, v_cache, layer, window, start) -> jax.Array:
+def _per_shard(run, layout: Layout, q, k_cache, v_cache, layer, window, start, tree) -> jax.Array:
     """`run` on each device's heads under shard_map (head_axis None: every device runs every head). With
     fewer kv heads than head shards the cache is replicated and each shard's q heads all belong to one kv
     head, which it slices out of this layer (a [B, S, D] copy per K and V that the split case avoids)."""
@@ -74,13 +79,13 @@ def _per_shard(run, layout: Layout, q, k_cache, v_cache, layer, window, start) -
     q_spec = P(None, None, head_axis, None)
     kv_spec = P(None, None, head_axis if kv_split else None, None, None)
 
-    def local(q, k_cache, v_cache, layer, window, start):
+    def local(q, k_cache, v_cache, layer, window, start, tree):
         if not kv_split:
             k_cache, v_cache, layer = _own_kv_head(k_cache, v_cache, layer, head_axis, shards // num_kv_heads)
-        return run(q, k_cache, v_cache, layer, window, start)
+        return run(q, k_cache, v_cache, layer, window, start, tree)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(), P(), P()), out_specs=q_spec,
-                         check_vma=False)(q, k_cache, v_cache, layer, window, start)
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(), P(), P(), P()),
+                         out_specs=q_spec, check_vma=False)(q, k_cache, v_cache, layer, window, start, tree)
 
 
 def _own_kv_head(k_cache, v_cache, layer, head_axis: str, shards_per_kv_head: int):

@@ -6,6 +6,7 @@ s <= start[b] + t of the selected layer (bottom-right causal), so one function
 covers decode (T = 1), verify (T = k + 1) and prefill (T = prompt bucket).
 A sliding window of W > 0 tokens (Mistral, Qwen2) further hides slots s <= position - W:
 each query sees its own token and the W - 1 before it, as transformers' sliding mask.
+A draft tree's pass (kernels/tree_mask.py) gives each query its own position and the tree slots it sees.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from specjax.kernels.tree_mask import TreeMask, tree_visible_slots
 
 # Prefill with thousands of queries would build a [B, Hq, T, S] fp32 logits
 # tensor; queries are processed in chunks of this many tokens to bound memory.
@@ -29,9 +32,11 @@ def attention_reference(
     scale: float,
     window: jax.Array | int = 0,
     query_chunk: int = QUERY_CHUNK,
+    tree: TreeMask | None = None,
 ) -> jax.Array:
     """Causal GQA attention of q [B,T,Hq,D] against layer `layer` of a [L,B,Hkv,S,D] cache, queries taken
-    `query_chunk` at a time. window: the sliding window in tokens (a scalar, traced or not; 0 = none)."""
+    `query_chunk` at a time. window: the sliding window in tokens (a scalar, traced or not; 0 = none). tree: a
+    draft tree's mask (one chunk: trees are small)."""
     k = lax.dynamic_index_in_dim(k_cache, layer, axis=0, keepdims=False)
     v = lax.dynamic_index_in_dim(v_cache, layer, axis=0, keepdims=False)
     num_tokens = q.shape[1]
@@ -41,8 +46,10 @@ def attention_reference(
     written = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :] < (start + num_tokens)[:, None]
     v = jnp.where(written[:, None, :, None], v, jnp.zeros((), v.dtype))
     window = jnp.asarray(window, jnp.int32)
+    if tree is not None:
+        return _attend(q, k, v, tree_visible_slots(tree, k.shape[2], window), scale)
     if num_tokens <= query_chunk:
-        return _attend(q, k, v, start, scale, window)
+        return _causal(q, k, v, start, scale, window)
     return _attend_in_chunks(q, k, v, start, scale, window, query_chunk)
 
 
@@ -55,18 +62,22 @@ def visible_slots(positions: jax.Array, num_slots: int, window: jax.Array) -> ja
     return (slots <= positions) & in_window
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, first_position: jax.Array,
+def _causal(q: jax.Array, k: jax.Array, v: jax.Array, first_position: jax.Array,
             scale: float, window: jax.Array) -> jax.Array:
     """Attention of queries at positions first_position[b] + t against one layer's k, v [B,Hkv,S,D]."""
+    positions = first_position[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
+    return _attend(q, k, v, visible_slots(positions, k.shape[2], window), scale)
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float) -> jax.Array:
+    """Attention of queries q [B,T,Hq,D] against one layer's k, v [B,Hkv,S,D] where visible [B,T,S]."""
     batch, num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, num_slots = k.shape[1], k.shape[2]
+    num_kv_heads = k.shape[1]
     group = num_q_heads // num_kv_heads
     # Group the q heads of one kv head instead of repeating K/V (no copy of the cache).
     grouped_q = q.reshape(batch, num_tokens, num_kv_heads, group, head_dim)
     logits = jnp.einsum("bthgd,bhsd->bhgts", grouped_q, k,
                         preferred_element_type=jnp.float32) * scale
-    positions = first_position[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
-    visible = visible_slots(positions, num_slots, window)
     logits = jnp.where(visible[:, None, None, :, :], logits, -jnp.inf)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bhgts,bhsd->bthgd", probs, v.astype(jnp.float32))
@@ -84,7 +95,7 @@ def _attend_in_chunks(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array
 
     def attend_chunk(chunk_and_offset):
         chunk, offset = chunk_and_offset
-        return _attend(chunk, k, v, start + offset, scale, window)
+        return _causal(chunk, k, v, start + offset, scale, window)
 
     out = lax.map(attend_chunk, (chunks, offsets))
     out = out.swapaxes(0, 1).reshape(batch, num_chunks * query_chunk, num_q_heads, head_dim)

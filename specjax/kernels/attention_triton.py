@@ -13,7 +13,9 @@ written anew for a stacked head-major cache):
 - K and V are read straight out of the full [L, B, Hkv, S, D] cache, indexed by the
   layer scalar inside the kernel, so the layer's K/V is never sliced out (no copy);
 - loads past the last written slot are masked with a zero fill: garbage slots are
-  never read, and interpret mode (which pads refs with NaN) stays exact.
+  never read, and interpret mode (which pads refs with NaN) stays exact;
+- a draft tree's pass (kernels/tree_mask.py) adds three inputs: each query's position (its window), the first
+  slot of the tree's nodes and, per query, the node slots it sees, read per block where it reaches them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+
+from specjax.kernels.tree_mask import TreeMask
 
 # Running-max start value: finite, so a row with nothing visible yet keeps
 # exp(m_old - m_new) = 1 and exp(-inf - m) = 0 instead of NaN from -inf - -inf.
@@ -100,9 +104,10 @@ def attention_triton(
     window: jax.Array | int = 0,
     config: KernelConfig | None = None,
     interpret: bool = False,
+    tree: TreeMask | None = None,
 ) -> jax.Array:
     """Causal GQA attention of q [B,T,Hq,D] against layer `layer` of a [L,B,Hkv,S,D] cache; `window`: the
-    sliding window in tokens (0 = none), as in attention_reference."""
+    sliding window in tokens (0 = none), `tree` a draft tree's mask, as in attention_reference."""
     batch, num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if config is None:
@@ -117,7 +122,7 @@ def attention_triton(
     kernel = functools.partial(
         _attention_kernel, scale=scale, group=group, num_tokens=num_tokens,
         num_q_heads=num_q_heads, rows_per_tile=config.rows_per_tile, block_k=config.block_k,
-        num_splits=splits,
+        num_splits=splits, tree_region=0 if tree is None else tree.region,
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT)
     in_specs = [
         pl.BlockSpec(),  # layer: a 0-d int32, passed as is (no reshape op around the call)
@@ -129,6 +134,11 @@ def attention_triton(
         pl.BlockSpec(),
         pl.BlockSpec(),
     ]
+    tree_inputs = ()
+    if tree is not None:
+        in_specs += [pl.BlockSpec(), pl.BlockSpec(), pl.BlockSpec()]
+        tree_inputs = (tree.positions.astype(jnp.int32), tree.region_start.astype(jnp.int32),
+                       tree.visible.astype(jnp.int32).reshape(batch * num_tokens, tree.region))
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((flat_rows, head_dim), q.dtype)
         out_specs = pl.BlockSpec()
@@ -147,7 +157,7 @@ def attention_triton(
         interpret=interpret,
         name="specjax_decode_attention",
     )(jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32), start.astype(jnp.int32),
-      q.reshape(flat_rows, head_dim), k_cache, v_cache)
+      q.reshape(flat_rows, head_dim), k_cache, v_cache, *tree_inputs)
     if splits > 1:
         result = _merge_splits(*result).astype(q.dtype)
     return result.reshape(q.shape)
@@ -161,11 +171,15 @@ def _merge_splits(partial_out: jax.Array, partial_lse2: jax.Array) -> jax.Array:
     return (partial_out * weights[..., None]).sum(axis=0) / weights.sum(axis=0)[..., None]
 
 
-def _attention_kernel(layer_ref, window_ref, start_ref, q_ref, k_ref, v_ref, out_ref, lse_ref=None, *,
+def _attention_kernel(layer_ref, window_ref, start_ref, q_ref, k_ref, v_ref, *refs,
                       scale: float, group: int, num_tokens: int, num_q_heads: int,
-                      rows_per_tile: int, block_k: int, num_splits: int,
+                      rows_per_tile: int, block_k: int, num_splits: int, tree_region: int,
                       precision: lax.Precision) -> None:
-    """One (b, kv head, split, row tile): online softmax over this split's visible KV blocks."""
+    """One (b, kv head, split, row tile): online softmax over this split's visible KV blocks. With a tree
+    (tree_region > 0) the first three of `refs` are its positions, region start and visible rows."""
+    if tree_region:
+        positions_ref, region_ref, tree_visible_ref, *refs = refs
+    out_ref, lse_ref = refs if len(refs) == 2 else (refs[0], None)
     b, h, split, tile = (pl.program_id(axis) for axis in range(4))
     layer = layer_ref[...]
     window = window_ref[...]
@@ -178,13 +192,23 @@ def _attention_kernel(layer_ref, window_ref, start_ref, q_ref, k_ref, v_ref, out
     flat_row = jnp.where(real_row, (b * num_tokens + token) * num_q_heads + h * group + lax.rem(row, group),
                          q_ref.shape[0])[:, None]
     columns = lax.broadcasted_iota(jnp.int32, (1, q_ref.shape[1]), 1)
-    # The slots each row sees: [row_first, row_end), its token's position + 1 being the end.
+    # The slots each row sees: [row_first, row_end), its token's slot + 1 being the end (a tree's rows see no
+    # later slot either, and their prefix from their own position's window).
     row_end = start + token + 1
-    row_first = _window_first(row_end, window)
     last_token = jnp.minimum(lax.div(tile * rows_per_tile + rows_per_tile - 1, group), num_tokens - 1)
     tile_end = start + last_token + 1
-    # The tile's earliest row sees the earliest slots; its block holds the tile's first visible slot.
-    tile_lo = lax.div(_window_first(start + lax.div(tile * rows_per_tile, group) + 1, window), block_k) * block_k
+    if tree_region:
+        safe_token = jnp.minimum(token, num_tokens - 1)
+        position = plt.load(positions_ref.at[b, safe_token], mask=real_row, other=0)
+        row_first = _window_first(position + 1, window)
+        region = region_ref[b]
+        tile_first = jnp.min(jnp.where(real_row, row_first, tile_end))
+    else:
+        row_first = _window_first(row_end, window)
+        # The tile's earliest row sees the earliest slots.
+        tile_first = _window_first(start + lax.div(tile * rows_per_tile, group) + 1, window)
+    # Its block holds the tile's first visible slot.
+    tile_lo = lax.div(tile_first, block_k) * block_k
     # Split [tile_lo, tile_end) into num_splits block-aligned ranges of the live length.
     per_split = pl.cdiv(pl.cdiv(tile_end - tile_lo, num_splits), block_k) * block_k
     lo = tile_lo + split * per_split
@@ -206,6 +230,12 @@ def _attention_kernel(layer_ref, window_ref, start_ref, q_ref, k_ref, v_ref, out
         k = plt.load(k_ref.at[layer, b, h, block, :], mask=loadable, other=0.0)
         logits = plt.dot(q, k, trans_b=True, precision=precision) * scale2
         visible = (slots[None, :] < row_end[:, None]) & (slots[None, :] >= row_first[:, None])
+        if tree_region:
+            offset = slots[None, :] - region
+            in_region = (offset >= 0) & (offset < tree_region)
+            seen = plt.load(tree_visible_ref.at[(b * num_tokens + safe_token)[:, None], jnp.clip(offset, 0, tree_region - 1)],
+                            mask=in_region & real_row[:, None], other=0)
+            visible = (slots[None, :] < row_end[:, None]) & jnp.where(in_region, seen != 0, visible)
         logits = jnp.where(visible, logits, -jnp.inf)
         new_max = jnp.maximum(row_max, logits.max(axis=1))
         rescale = jnp.exp2(row_max - new_max)

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.kernels.policy import KernelPolicy
+from specjax.kernels.tree_mask import TreeMask
 from specjax.kernels.projection_reference import rms_norm
 from specjax.models.family import ForwardAux, default_unroll, module_from_params
 from specjax.models.fp8 import dequantize_blocks
@@ -372,6 +373,8 @@ def unstack_groups(params: dict, cfg: DeepseekConfig) -> dict:
 
 
 class DeepseekForCausalLM(nnx.Module):
+    supports_trees = False   # MLA's attention takes no tree mask yet
+
     def __init__(self, cfg: DeepseekConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  kernels: KernelPolicy = KernelPolicy(), unroll_layers: bool | None = None):
         self.cfg = cfg
@@ -385,8 +388,12 @@ class DeepseekForCausalLM(nnx.Module):
             setattr(self, name, _as_nnx(value))
 
     def __call__(self, tokens: jax.Array, start: jax.Array, cache: LatentCache,
-                 capture_layers: tuple[int, ...] = (), fresh: bool = False) -> tuple[jax.Array, LatentCache, ForwardAux]:
+                 capture_layers: tuple[int, ...] = (), fresh: bool = False,
+                 tree: TreeMask | None = None) -> tuple[jax.Array, LatentCache, ForwardAux]:
         """Run T tokens per row [B, T] at positions start[b] .. start[b]+T-1 (the CausalLM contract)."""
+        if tree is not None:
+            raise ValueError("DeepSeek (MLA) models cannot verify a draft tree yet: drop tree_nodes from "
+                             "speculative_config")
         h = self.embed[...][tokens]
         latent, entering = cache.latent, []
         for group, layers in self.cfg.group_layers.items():

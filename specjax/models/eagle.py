@@ -38,6 +38,7 @@ from flax import nnx
 from specjax.config.speculative import method_from_head_config
 from specjax.kernels.attention import attention
 from specjax.kernels.policy import KernelPolicy
+from specjax.kernels.tree_mask import TreeMask
 from specjax.models.family import Frozen
 from specjax.models.kv_cache import KVCache, write_layer
 from specjax.models.layers import decoder_layer, rms_norm
@@ -222,6 +223,8 @@ class HeadLayer(nnx.Module):
 
 
 class EagleHead(nnx.Module):
+    supports_trees = True
+
     def __init__(self, cfg: EagleConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  kernels: KernelPolicy = KernelPolicy()):
         self.cfg = cfg
@@ -272,18 +275,19 @@ class EagleHead(nnx.Module):
         return KVCache.bytes(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, self.dtype)
 
     def __call__(self, tokens: jax.Array, hidden: jax.Array, start: jax.Array,
-                 cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:
-        """Run T tokens per row [B, T] with hidden states [B, T, H] at positions start[b] + t, writing the
-        head's KV cache. Returns (output for the logits, hidden state to feed back, cache)."""
+                 cache: KVCache, tree: TreeMask | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+        """Run T tokens per row [B, T] with hidden states [B, T, H] at positions start[b] + t (a draft tree's:
+        tree.positions), writing the head's KV cache at slots start[b] + t. Returns (output for the logits,
+        hidden state to feed back, cache)."""
         T = tokens.shape[1]
-        positions = start[:, None] + jnp.arange(T, dtype=start.dtype)[None, :]
+        positions = start[:, None] + jnp.arange(T, dtype=start.dtype)[None, :] if tree is None else tree.positions
         k_cache, v_cache = cache.k, cache.v
         scale = self.cfg.layers.head_dim ** -0.5
 
         def attend(i, q, k, v):
             nonlocal k_cache, v_cache
             k_cache, v_cache = write_layer(k_cache, i, k, start), write_layer(v_cache, i, v, start)
-            return attention(q, k_cache, v_cache, jnp.int32(i), start, scale=scale, kernels=self.kernels)
+            return attention(q, k_cache, v_cache, jnp.int32(i), start, scale=scale, kernels=self.kernels, tree=tree)
 
         out, feed = self.decode(tokens, hidden, positions, attend)
         return out, feed, KVCache(k_cache, v_cache)

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from specjax.kernels.policy import KernelPolicy
+from specjax.kernels.tree_mask import TreeMask
 from specjax.models.weight_map import LeafSpec
 from specjax.parallel.mesh import Layout
 from specjax.parallel.plan import PartitionRules
@@ -48,17 +49,24 @@ class Cache(Protocol):
     def specs(self, layout: Layout) -> Any:
         """A pytree of PartitionSpec like this cache: how it is laid out under a tensor-parallel layout."""
 
+    def gathered(self, source: jax.Array, first: jax.Array) -> Any:
+        """The cache with slots first[b] + t holding what slots source[b, t] [B, T] held (a draft tree's
+        accepted path made contiguous: rejection stays a length update)."""
+
 
 class CausalLM(Protocol):
     """The module the engine runs (a target or a draft model). Rows of a batch are independent."""
     cfg: Any
     kernels: KernelPolicy
+    supports_trees: bool   # whether __call__ runs a draft tree's pass (tree=...)
 
     def __call__(self, tokens: jax.Array, start: jax.Array, cache: Cache, capture_layers: tuple[int, ...] = (),
-                 fresh: bool = False) -> tuple[jax.Array, Cache, ForwardAux]:
+                 fresh: bool = False, tree: TreeMask | None = None) -> tuple[jax.Array, Cache, ForwardAux]:
         """Run tokens [B, T] at positions start[b] .. start[b]+T-1, writing their cache entries; return the
         final-normed hidden states [B, T, H], the cache and the residual streams entering `capture_layers`.
-        fresh (static): a prompt's prefill from position 0 into an empty cache."""
+        fresh (static): a prompt's prefill from position 0 into an empty cache. tree: a draft tree's pass
+        (kernels/tree_mask.py), its tokens at their own positions, written at slots start[b] + t; a family
+        that cannot run one raises a ValueError saying so (`supports_trees` False)."""
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits [..., V] of final-normed hidden states."""

@@ -36,6 +36,19 @@ class KVCache:
         spec = P(None, None, layout.kv_head_axis(self.k.shape[2]))
         return KVCache(spec, spec)
 
+    def gathered(self, source: jax.Array, first: jax.Array) -> KVCache:
+        """Slots first[b] + t of every layer and head hold what slots source[b, t] held (all read before any
+        is written, so the ranges may overlap)."""
+        return KVCache(move_slots(self.k, source, first), move_slots(self.v, source, first))
+
+
+def move_slots(cache: jax.Array, source: jax.Array, first: jax.Array) -> jax.Array:
+    """cache [L, B, H, S, D] with slots first[b] + t set to slots source[b, t] [B, T], in place."""
+    picked = jnp.take_along_axis(cache, source[None, :, None, :, None], axis=3)      # [L, B, H, T, D]
+    rows = jnp.arange(cache.shape[1])[:, None]
+    slots = first[:, None] + jnp.arange(source.shape[1])[None, :]
+    return cache.at[:, rows, :, slots].set(picked.transpose(1, 3, 0, 2, 4), mode="drop")
+
 
 def write_layer(cache: jax.Array, layer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """Write new [B, T, Hkv, D] into cache [L, B, Hkv, S, D] at layer `layer`, slots start[b] .. start[b]+T-1.

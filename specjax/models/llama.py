@@ -21,6 +21,7 @@ from flax import nnx
 from specjax.kernels.attention import attention
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.prefill_attention import prefill_attention
+from specjax.kernels.tree_mask import TreeMask
 from specjax.models.family import ForwardAux, default_unroll, module_from_params
 from specjax.models.kv_cache import KVCache, write_layer
 from specjax.models.layers import decoder_layer, rms_norm
@@ -303,6 +304,8 @@ class DecoderWeights(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
+    supports_trees = True
+
     def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  kernels: KernelPolicy = KernelPolicy(), unroll_layers: bool | None = None):
         self.cfg = cfg
@@ -318,12 +321,16 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = _init(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
     def __call__(self, tokens: jax.Array, start: jax.Array, cache: KVCache,
-                 capture_layers: tuple[int, ...] = (), fresh: bool = False) -> tuple[jax.Array, KVCache, ForwardAux]:
+                 capture_layers: tuple[int, ...] = (), fresh: bool = False,
+                 tree: TreeMask | None = None) -> tuple[jax.Array, KVCache, ForwardAux]:
         """Run T tokens per row [B, T] at positions start[b] .. start[b]+T-1 (the CausalLM contract)."""
         T = tokens.shape[1]
-        positions = start[:, None] + jnp.arange(T, dtype=start.dtype)[None, :]
+        if tree is not None and any(0 < w <= tree.region for w in self.cfg.attention_windows):
+            raise ValueError(f"a draft tree of {tree.region} tokens needs sliding windows longer than that (this "
+                             f"model's: {sorted(set(self.cfg.attention_windows) - {0})}): lower tree_nodes")
+        positions = start[:, None] + jnp.arange(T, dtype=start.dtype)[None, :] if tree is None else tree.positions
         h = self.embed[...][tokens]
-        layer_fn = self._layer_fn(positions, start, fresh)
+        layer_fn = self._layer_fn(positions, start, fresh, tree)
         carry = (h, cache.k, cache.v)
         if self.unroll_layers:
             entering = []
@@ -354,7 +361,7 @@ class LlamaForCausalLM(nnx.Module):
         return KVCache.bytes(cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, self.embed[...].dtype,
                              tensor_parallel_size)
 
-    def _layer_fn(self, positions: jax.Array, start: jax.Array, fresh: bool):
+    def _layer_fn(self, positions: jax.Array, start: jax.Array, fresh: bool, tree: TreeMask | None):
         cfg, kernels = self.cfg, self.kernels
         rotate = rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                         max_position_embeddings=cfg.max_position_embeddings)
@@ -372,7 +379,7 @@ class LlamaForCausalLM(nnx.Module):
                 if fresh and cfg.window_covers(q.shape[1], i):
                     return prefill_attention(q, k, v, k_cache, v_cache, i, scale=scale, kernels=kernels)
                 return attention(q, k_cache, v_cache, i, start, scale=scale, window=cfg.sliding_window(i),
-                                 kernels=kernels)
+                                 kernels=kernels, tree=tree)
 
             out = decoder_layer(h, h, w, cfg, positions, rotate, attend, kernels, input_norm=w["attn_norm"])
             return (out, k_cache, v_cache), h

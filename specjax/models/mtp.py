@@ -27,6 +27,7 @@ from flax import nnx
 
 from specjax.kernels.attention import attention
 from specjax.kernels.policy import KernelPolicy
+from specjax.kernels.tree_mask import TreeMask
 from specjax.kernels.projection_reference import rms_norm
 from specjax.models import deepseek, llama
 from specjax.models.family import Frozen
@@ -129,6 +130,10 @@ class MtpHead(nnx.Module):
         return self.eh_proj[...].dtype
 
     @property
+    def supports_trees(self) -> bool:
+        return self.cfg.layout != "deepseek"   # MLA's attention takes no tree mask yet
+
+    @property
     def capture_layers(self) -> tuple[int, ...]:
         return ()
 
@@ -151,20 +156,25 @@ class MtpHead(nnx.Module):
         return KVCache.bytes(1, batch, target.num_kv_heads, max_len, target.head_dim, self.dtype)
 
     def __call__(self, tokens: jax.Array, hidden: jax.Array, start: jax.Array,
-                 cache: LatentCache) -> tuple[jax.Array, jax.Array, LatentCache]:
-        """One MTP step for T pairs per row (tokens [B, T], hidden [B, T, H]) at positions start[b] + t, writing
-        the head's cache. Returns (output for the logits, hidden state to feed back: the same, cache)."""
+                 cache: LatentCache, tree: TreeMask | None = None) -> tuple[jax.Array, jax.Array, LatentCache]:
+        """One MTP step for T pairs per row (tokens [B, T], hidden [B, T, H]) at positions start[b] + t (a draft
+        tree's: tree.positions), writing the head's cache at slots start[b] + t. Returns (output for the logits,
+        hidden state to feed back: the same, cache)."""
         cfg, eps = self.cfg, self.cfg.target.rms_norm_eps
-        positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=start.dtype)[None, :]
+        if tree is not None and not self.supports_trees:
+            raise ValueError("DeepSeek (MLA) MTP layers cannot draft a tree yet: drop tree_nodes from "
+                             "speculative_config")
+        positions = (start[:, None] + jnp.arange(tokens.shape[1], dtype=start.dtype)[None, :] if tree is None
+                     else tree.positions)
         embeds = jnp.where((positions > 0)[..., None], self.embed[...][tokens], 0).astype(hidden.dtype)
         parts = [rms_norm(embeds, self.enorm[...], eps), rms_norm(hidden, self.hnorm[...], eps)]
         x = jnp.concatenate(parts[::-1] if cfg.hidden_first else parts, axis=-1) @ self.eh_proj[...]
         weights = {name: var[...][0] for name, var in self.block.items()}
-        y, cache = self._block(x, weights, positions, start, cache)
+        y, cache = self._block(x, weights, positions, start, cache, tree)
         out = rms_norm(y, self.shared_norm[...], eps)
         return out, out, cache
 
-    def _block(self, x, weights, positions, start, cache):
+    def _block(self, x, weights, positions, start, cache, tree):
         """The family's decoder block over the head's one-layer cache."""
         target = self.cfg.target
         if self.cfg.layout == "deepseek":
@@ -175,7 +185,8 @@ class MtpHead(nnx.Module):
         def attend(q, k, v):
             nonlocal k_cache, v_cache
             k_cache, v_cache = write_layer(k_cache, 0, k, start), write_layer(v_cache, 0, v, start)
-            return attention(q, k_cache, v_cache, 0, start, scale=target.head_dim ** -0.5, kernels=self.kernels)
+            return attention(q, k_cache, v_cache, 0, start, scale=target.head_dim ** -0.5, kernels=self.kernels,
+                             tree=tree)
 
         rotate = rotary(target.head_dim, target.rope_theta, target.rope_scaling,
                         max_position_embeddings=target.max_position_embeddings)

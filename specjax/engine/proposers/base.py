@@ -8,6 +8,8 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
+from specjax.config.draft_tree import TreeShape
+from specjax.engine.draft_tree import DraftTree
 from specjax.engine.state import RowParams
 
 
@@ -26,6 +28,7 @@ class Proposer(Protocol):
     catch_up_slots: int   # slots past the committed end catch_up may write (spare_slots)
     # Target layers whose entering residual stream `observe` needs (EAGLE-3); () for none.
     capture_layers: tuple[int, ...]
+    tree: TreeShape | None   # a draft tree's shape (k its depth): the loop then calls propose_tree
 
     def cache_bytes(self, batch: int, max_len: int) -> int:
         """Bytes one device holds of the proposer's own caches for `batch` rows of `max_len` slots (the
@@ -38,6 +41,11 @@ class Proposer(Protocol):
                 rows: RowParams) -> tuple[jax.Array, jax.Array | None, Any]:
         """Drafts [B, k] (-1 = none) following tokens[b, :lengths[b]], their probs [B, k, V] or None when
         the drafts are deterministic, and the new carry."""
+
+    def propose_tree(self, draft_state: Any, carry: Any, tokens: jax.Array, lengths: jax.Array,
+                     rows: RowParams) -> tuple[DraftTree, jax.Array | None, Any]:
+        """A draft tree of tree.nodes nodes following tokens[b, :lengths[b]], each node's draft distribution
+        [B, N, V] (None: deterministic drafts) and the new carry (proposers with a `tree` only)."""
 
     def observe(self, draft_state: Any, carry: Any, target: TargetPass, tokens: jax.Array, lengths: jax.Array,
                 rows: RowParams) -> Any:
@@ -59,9 +67,10 @@ class Proposer(Protocol):
 
 
 def spare_slots(proposer: Proposer) -> int:
-    """Slots a wave's buffers keep past the longest row's committed end: a verify pass's drafts, or what a
-    catch-up pass writes, whichever is more."""
-    return max(proposer.k, proposer.catch_up_slots)
+    """Slots a wave's buffers keep past the longest row's committed end: a verify pass's drafts (a tree's
+    nodes), or what a catch-up pass or a tree's drafting writes, whichever is more."""
+    tree = proposer.tree
+    return max(proposer.k, proposer.catch_up_slots, 0 if tree is None else max(tree.nodes, tree.drafting_slots))
 
 
 class Drafting:
@@ -69,6 +78,7 @@ class Drafting:
     across plain steps (n-gram reads the committed tokens; a draft model overrides catch_up)."""
     # Slots past a row's committed end that catch_up may write (the buffer keeps that many spare).
     catch_up_slots = 0
+    tree: TreeShape | None = None
 
     def with_k(self, k: int):
         clone = copy.copy(self)

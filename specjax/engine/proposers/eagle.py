@@ -5,7 +5,10 @@ At position p the head reads the token at p+1 (input ids shifted left by one, as
 hidden state at p. `observe` runs after each target pass over the T positions it covered: the committed
 ones write valid head KV (the rest is garbage beyond the committed length, overwritten later, as in the
 target's cache) and the last committed one yields the first draft and the head's hidden state. `propose`
-then runs k - 1 single-token steps, each fed the previous draft and the head's own hidden state.
+then runs k - 1 single-token steps, each fed the previous draft and the head's own hidden state. With a draft
+tree, `propose_tree` grows EAGLE-2's dynamic tree instead (engine/draft_tree.py): from the head's output at the
+last committed position, one head pass per level over that level's best `branching` nodes, each seeing its
+ancestors' slots, the head's hidden states fed along each branch.
 
 Adaptive speculation's plain steps (k = 0) run no head: `skipped` keeps each such pass's target features in a
 ring of the last `catch_up_window` positions, and `catch_up` observes them in one pass before the next draft.
@@ -21,10 +24,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.config.draft_tree import TreeShape
 from specjax.engine import sampling
+from specjax.engine.draft_tree import grow
 from specjax.engine.proposers.base import Drafting, TargetPass
 from specjax.engine.state import RowParams
 from specjax.kernels.policy import KernelPolicy
+from specjax.kernels.tree_mask import TreeMask
 
 
 class DraftHead(Protocol):
@@ -38,7 +44,7 @@ class DraftHead(Protocol):
     def init_cache(self, batch: int, max_len: int) -> Any: ...
     def cache_bytes(self, batch: int, max_len: int) -> int: ...
     def __call__(self, tokens: jax.Array, hidden: jax.Array, start: jax.Array,
-                 cache: Any) -> tuple[jax.Array, jax.Array, Any]: ...
+                 cache: Any, tree: TreeMask | None = None) -> tuple[jax.Array, jax.Array, Any]: ...
     def logits(self, out: jax.Array) -> jax.Array: ...           # over the head's (draft) vocabulary
     def target_logits(self, out: jax.Array) -> jax.Array: ...    # over the target's vocabulary
     def to_target_ids(self, draft_ids: jax.Array) -> jax.Array: ...
@@ -51,6 +57,7 @@ class EagleCarry:
     first: jax.Array             # i32 [B] the first draft of the next step
     first_probs: jax.Array       # f32 [B, V] its draft distribution ([B, 0] when drafting greedily)
     hidden: jax.Array            # [B, H] the head's hidden state at position lengths - 2, fed back with `first`
+    root: jax.Array              # [B, H] the head's output there, whose logits a draft tree grows from
     # Target features of passes not yet observed (plain steps), position p at index p % window: [B, window, F].
     pending: jax.Array
     pending_from: jax.Array      # i32 [B]: the first position not yet observed (lengths - 1 once caught up)
@@ -58,14 +65,18 @@ class EagleCarry:
 
 class HeadProposer(Drafting):
     def __init__(self, head_graph: nnx.GraphDef, head: DraftHead, k: int, probabilistic: bool,
-                 feature_size: int = 0, catch_up_window: int = 0):
+                 feature_size: int = 0, catch_up_window: int = 0, tree: TreeShape | None = None):
         """feature_size: width of the target features the head reads (its capture layers' residual streams,
         or the final hidden state); catch_up_window: plain steps' passes kept for catch_up (0: a loop of
-        fixed k, which has none)."""
+        fixed k, which has none); tree: draft trees of this shape (k its depth) rather than chains."""
+        if tree is not None and not head.supports_trees:
+            raise ValueError("this draft head's layers cannot draft a tree yet: drop tree_nodes from "
+                             "speculative_config")
         self.head_graph = head_graph
         self.cfg = head.cfg
         self.k = k
         self.probabilistic = probabilistic
+        self.tree = tree
         self.capture_layers = head.capture_layers
         self.head_cache_bytes = head.cache_bytes
         self.feature_size = feature_size
@@ -82,6 +93,7 @@ class HeadProposer(Drafting):
         return EagleCarry(cache=head.init_cache(B, cache_len),
                           first=jnp.zeros((B,), jnp.int32), first_probs=jnp.zeros((B, vocab), jnp.float32),
                           hidden=jnp.zeros((B, self.cfg.hidden_size), head.dtype),
+                          root=jnp.zeros((B, self.cfg.hidden_size), head.dtype),
                           pending=jnp.zeros((B, self.catch_up_slots, self.feature_size), head.dtype),
                           pending_from=prompt_lengths)
 
@@ -98,7 +110,7 @@ class HeadProposer(Drafting):
         rows_idx = jnp.arange(B)
         first, probs = self._choose(head, out[rows_idx, last], rows, lengths)
         return dataclasses.replace(carry, cache=cache, first=first, first_probs=probs, hidden=feed[rows_idx, last],
-                                   pending_from=lengths - 1)
+                                   root=out[rows_idx, last].astype(carry.root.dtype), pending_from=lengths - 1)
 
     def skipped(self, draft_state, carry: EagleCarry, target: TargetPass, tokens: jax.Array, lengths: jax.Array,
                 rows: RowParams) -> EagleCarry:
@@ -127,7 +139,7 @@ class HeadProposer(Drafting):
                 return jnp.where(behind.reshape((-1,) + (1,) * (old.ndim - 1)), fresh, old)
 
             return dataclasses.replace(new, first=keep(new.first, c.first), hidden=keep(new.hidden, c.hidden),
-                                       first_probs=keep(new.first_probs, c.first_probs))
+                                       root=keep(new.root, c.root), first_probs=keep(new.first_probs, c.first_probs))
 
         return jax.lax.cond(jnp.any(behind), observe_pending, lambda c: c, carry)
 
@@ -149,6 +161,26 @@ class HeadProposer(Drafting):
             return drafts, None, carry
         probs = jnp.concatenate([carry.first_probs[:, None], jnp.swapaxes(rest_probs, 0, 1)], axis=1)
         return drafts, probs, carry
+
+    def propose_tree(self, draft_state, carry: EagleCarry, tokens: jax.Array, lengths: jax.Array, rows: RowParams):
+        """EAGLE-2's tree over the head's (draft) vocabulary, greedy: its nodes are each parent's most probable
+        children (q one-hot). A depth-d node runs at head position lengths - 2 + d (as the chain's d-th draft);
+        level l's nodes are written at slots lengths - 1 + (l - 1) * branching .., garbage past the committed
+        end that `observe` overwrites along the accepted path."""
+        head = nnx.merge(self.head_graph, draft_state)
+        shape = self.tree
+        region = lengths - 1
+
+        def step(level, cache, tokens, hidden, visible):
+            mask = TreeMask(positions=jnp.broadcast_to((lengths - 2 + level)[:, None], tokens.shape),
+                            region_start=region, visible=visible)
+            out, feed, cache = head(tokens, hidden, region + (level - 1) * shape.branching, cache, tree=mask)
+            return jax.nn.log_softmax(head.logits(out), axis=-1), feed, cache
+
+        tree, cache = grow(jax.nn.log_softmax(head.logits(carry.root), axis=-1), carry.hidden, step, carry.cache,
+                           depth=shape.depth, branching=shape.branching, nodes=shape.nodes,
+                           token_ids=head.to_target_ids)
+        return tree, None, dataclasses.replace(carry, cache=cache)
 
     def _choose(self, head: DraftHead, out: jax.Array, rows: RowParams, position: jax.Array):
         """Greedy drafting: the argmax of the draft vocabulary mapped to a target id (q one-hot, no probs
