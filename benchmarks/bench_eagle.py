@@ -3,13 +3,14 @@ n-gram speculation, greedy, on held-out GSM8K questions (the training run's held
 
     PYTHONPATH=. python benchmarks/bench_eagle.py [--head HEAD_DIR (default: the shipped head)] [--num 32]
         [--max-tokens 256] [--batches 1,8] [--k 3] [--policy fixed|auto|fixed,auto] [--prompts FILE] [--dtype bfloat16]
-        [--smoke]
+        [--chains 3,5] [--trees 16:4:5,32:4:6] [--smoke]
 
 Prints a table (tokens/s, speedup over plain, acceptance length and per-position rates, same tokens as plain)
 and writes $OUT/bench_eagle.json (or benchmarks/results). `--smoke`: two questions, a few tokens, batch 1 (checks
 the script). `--policy auto` runs the speculative engines under adaptive speculation (k chosen each step
 between 0 and --k; the step times are measured in the untimed warm-up run), and reports how often each k ran.
 `--prompts ../shared/data/chat_prompts.jsonl` takes general chat prompts instead of GSM8K's questions.
+`--chains` adds EAGLE-3 chains of those k, `--trees NODES:BRANCHING:DEPTH,...` EAGLE-3 draft trees of those shapes.
 """
 from __future__ import annotations
 
@@ -37,16 +38,20 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="auto", help="the engines' dtype (auto: the checkpoint's, fp32)")
     parser.add_argument("--policy", default="fixed", help="speculation_policy of the speculative engines: "
                         "fixed, auto, or both (fixed,auto)")
+    parser.add_argument("--chains", default="", help="more EAGLE-3 chains: comma-separated k")
+    parser.add_argument("--trees", default="", help="EAGLE-3 draft trees: comma-separated NODES:BRANCHING:DEPTH")
     parser.add_argument("--smoke", action="store_true", help="2 questions, 8 tokens, batch 1: checks the script")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.num, args.max_tokens, args.batches = 2, 8, "1"
+        args.num, args.max_tokens, args.batches, args.trees = 2, 8, "1", args.trees or "4:2:2"
     model_dir = default_model_dir()
     _, held = data_lib.split_heldout(data_lib.load_questions(args.prompts), args.num_heldout)
     prompt_ids = data_lib.chat_prompt_ids(load_tokenizer(str(model_dir)), held[:args.num])
     drafters = [(f"ngram k={args.k}", {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
                                        "prompt_lookup_min": 2}),
-                (f"eagle3 k={args.k}", {"method": "eagle3", "model": args.head, "num_speculative_tokens": args.k})]
+                *[(f"eagle3 k={k}", {"method": "eagle3", "model": args.head, "num_speculative_tokens": k})
+                  for k in [args.k] + [int(k) for k in args.chains.split(",") if k]],
+                *[(f"eagle3 tree {shape}", _tree_spec(args.head, shape)) for shape in args.trees.split(",") if shape]]
     specs = [("plain", None)] + [(name if policy == "fixed" else f"{name} {policy}",
                                   {**spec, "speculation_policy": policy})
                                  for policy in args.policy.split(",") for name, spec in drafters]
@@ -65,6 +70,12 @@ def main(argv=None) -> None:
                              iterations_per_k=result["iterations_per_k"]))
     print_table(rows)
     write_json("bench_eagle", rows)
+
+
+def _tree_spec(head: str, shape: str) -> dict:
+    nodes, branching, depth = (int(x) for x in shape.split(":"))
+    return {"method": "eagle3", "model": head, "num_speculative_tokens": depth, "tree_nodes": nodes,
+            "tree_branching": branching}
 
 
 if __name__ == "__main__":

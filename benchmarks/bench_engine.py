@@ -3,11 +3,12 @@ speculation (synthetic acceptance; a Llama-3.2-1B-shaped draft model, or an EAGL
 Llama-3.1-8B-shaped model with random bf16 weights; and the plain generate loop per iteration, with what its
 compiled while body launches and copies (`loop`, the 8B or the default model's shape).
 
-    PYTHONPATH=. python benchmarks/bench_engine.py [--suites step,e2e,spec,sampled,eagle,loop]
+    PYTHONPATH=. python benchmarks/bench_engine.py [--suites step,e2e,spec,sampled,eagle,loop,tree]
         [--impl auto|reference] [--xla-projections] [--loop-shape 8b|smollm2] [--trace] [--smoke]
 
 Writes $OUT/bench_engine_<suite>_<impl>.json and prints a table per suite. `--smoke` runs every suite (unless
---suites says otherwise) on tiny shapes, to check the script on a CPU.
+--suites says otherwise) on tiny shapes, to check the script on a CPU. `tree`: a draft tree's verify pass (N nodes
+under the root, tree-masked) against a chain's of as many tokens and a decode step.
 """
 from __future__ import annotations
 
@@ -30,19 +31,21 @@ from benchmarks.common import (LLAMA31_8B, LLAMA32_1B, SMOKE_DRAFT, SMOKE_TARGET
                                print_table, random_model, weight_bytes, write_json)
 from benchmarks.device_trace import busy_ns, by_kernel, span_ns, traced_kernels
 from specjax.config import SpeculativeConfig
+from specjax.engine.draft_tree import DraftTree
 from specjax.engine.loop import LoopSpec, jit_generate
 from specjax.engine.proposers.base import NoProposer
 from specjax.engine.proposers.eagle import HeadProposer
 from specjax.engine.rows import greedy_rows, row_params
 from specjax.engine.shapes import buffer_len
 from specjax.kernels.policy import KernelPolicy
+from specjax.kernels.tree_mask import TreeMask
 from specjax.models.eagle import default_aux_layer_ids
 from specjax.models.llama import LlamaConfig
 from specjax.parallel.mesh import MODEL_AXIS, Layout, gather_vocab, traced_with
 from specjax.sampling_params import SamplingParams
 from specjax.training.trainer import new_head
 
-SUITES = ("step", "e2e", "spec", "sampled", "eagle", "loop")
+SUITES = ("step", "e2e", "spec", "sampled", "eagle", "loop", "tree")
 MAX_MODEL_LEN = 8192
 # Step timings dispatch this many steps back to back and block once: the host runs ahead of the device, so
 # a step's figure is its device time (what the ideal of a loop that hid all host work would pay).
@@ -61,11 +64,12 @@ class Sizes:
     step_tokens: tuple[int, ...] = (1, 4, 8)
     loop_new_tokens: int = 128
     draft_vocab: int = 32000         # the EAGLE-3-shaped head's draft vocabulary
+    tree_nodes: tuple[int, ...] = (8, 16, 32, 64)
 
 
 # One batch, k=3 and contexts that recur across suites, so that suites share compiled programs.
 SMOKE_SIZES = Sizes(prompt_len=16, new_tokens=8, context=20, step_batches=(1,), step_tokens=(1, 4),
-                    loop_new_tokens=8, draft_vocab=256)
+                    loop_new_tokens=8, draft_vocab=256, tree_nodes=(4,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +97,10 @@ def step_fn(graph, mesh=None):
     layout = None if mesh is None else Layout(mesh, head_axis=MODEL_AXIS)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
-    def step(state, cache, tokens, start):
+    def step(state, cache, tokens, start, tree=None):
         with traced_with(layout):
             model = nnx.merge(graph, state)
-            hidden, cache, _ = model(tokens, start, cache)
+            hidden, cache, _ = model(tokens, start, cache, tree=tree)
             return gather_vocab(model.logits(hidden)), cache
     return step
 
@@ -275,16 +279,36 @@ def empty_cache(model: Subject, B, slots):
     return jax.tree.map(lambda leaf, spec: jax.device_put(leaf, NamedSharding(model.mesh, spec)), cache, specs)
 
 
-def step_time(model: Subject, B, T, context):
-    """Seconds of one pass of model.step over T tokens per row at `context`."""
-    holder = [empty_cache(model, B, context + 16)]
+def step_time(model: Subject, B, T, context, tree: TreeMask | None = None):
+    """Seconds of one pass of model.step over T tokens per row at `context` (a draft tree's, given its mask)."""
+    holder = [empty_cache(model, B, context + T + 16)]
     tokens, start = jnp.ones((B, T), jnp.int32), jnp.full((B,), context, jnp.int32)
 
     def run():
         for _ in range(STEPS_PER_TIMING):
-            logits, holder[0] = model.step(model.state, holder[0], tokens, start)
+            logits, holder[0] = model.step(model.state, holder[0], tokens, start, tree)
         return logits
     return median_time(run, repeats=10) / STEPS_PER_TIMING
+
+
+def tree_suite(target: Subject, sizes: Sizes) -> list[dict]:
+    """A tree's verify pass (each node's children: up to 4, breadth first) against a chain pass of as many
+    tokens and a decode step, at the step suite's context."""
+    rows, context = [], sizes.context
+    for B in sizes.step_batches:
+        decode = step_time(target, B, 1, context)
+        for nodes in sizes.tree_nodes:
+            parents = jnp.broadcast_to(jnp.arange(nodes, dtype=jnp.int32) // 4, (B, nodes))
+            depth = jnp.ones((B, nodes), jnp.int32)
+            for j in range(4, nodes):
+                depth = depth.at[:, j].set(depth[:, j // 4 - 1] + 1)
+            tree = DraftTree(jnp.ones((B, nodes), jnp.int32), parents, depth)
+            start = jnp.full((B,), context, jnp.int32)
+            t_tree = step_time(target, B, nodes + 1, context, tree.verify_mask(start, nodes))
+            t_chain = step_time(target, B, nodes + 1, context)
+            rows.append(dict(batch=B, nodes=nodes, context=context, tree_ms=1e3 * t_tree, chain_ms=1e3 * t_chain,
+                             decode_ms=1e3 * decode, tree_over_decode=t_tree / decode))
+    return rows
 
 
 def loop_suite(target: Subject, bandwidth, context, new_tokens, trace=False) -> list[dict]:
@@ -398,6 +422,8 @@ def main(argv=None) -> None:
         results["sampled"] = sampled_suite(target, kernels, draft, small_batches, sizes)
     if "eagle" in suites:
         results["eagle"] = eagle_suite(target, small_batches, ks, sizes)
+    if "tree" in suites:
+        results["tree"] = tree_suite(target, sizes)
     if "loop" in suites:
         loop_cfg, context = (target_cfg, sizes.prompt_len) if args.smoke else LOOP_SHAPES[args.loop_shape]
         loop_target = target if loop_cfg == target_cfg else random_subject(loop_cfg, kernels)

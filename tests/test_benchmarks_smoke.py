@@ -29,14 +29,16 @@ ENV = {"bench_tp": {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}}
 TIMEOUT_S = 600
 
 ENGINE_SUITES = {"step": ("T", [1, 4]), "e2e": ("batch", [1]), "spec": ("al", [1.5, 2.5, 3.5]),
-                 "sampled": ("filter", ["sort"]), "eagle": ("al", [1.5, 2.5, 3.5]), "loop": ("batch", [1])}
+                 "sampled": ("filter", ["sort"]), "eagle": ("al", [1.5, 2.5, 3.5]), "loop": ("batch", [1]),
+                 "tree": ("nodes", [4])}
 # script -> {JSON file: (a key, its value in each row, in order)}
 EXPECTED_ROWS = {
     "bench_default_model": {"bench_default_model_float32": ("engine", [
         "transformers generate", "transformers prompt lookup (10)", "transformers assisted (6-layer draft)",
         "specjax plain", "specjax ngram k=4", "specjax draft_model k=3 (6-layer draft)",
         "specjax eagle3 k=3 (shipped head)", "(specjax plain == transformers greedy)"])},
-    "bench_eagle": {"bench_eagle": ("engine", ["specjax plain", "specjax ngram k=3", "specjax eagle3 k=3"])},
+    "bench_eagle": {"bench_eagle": ("engine", ["specjax plain", "specjax ngram k=3", "specjax eagle3 k=3",
+                                               "specjax eagle3 tree 4:2:2"])},
     "bench_transformers": {"bench_transformers": ("variant", [
         "eager generate", "assisted (1B-shaped draft)", "eager generate", "static cache (auto-compiled)",
         "static cache (auto-compiled)"])},

@@ -59,7 +59,7 @@ def random_tree(rng: np.random.Generator, batch: int, nodes: int, vocab: int, ma
 def _oracle(q, k_cache, v_cache, layer, tree: DraftTree, start, scale, window):
     """float64: each node sees the prefix (its position's window) and its ancestors' slots."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k_cache[layer], v_cache[layer]))
-    anc = np.asarray(tree.ancestry())
+    anc = np.asarray(tree.ancestry(tree.tokens.shape[1]))
     depths = np.concatenate([np.zeros((q.shape[0], 1), int), np.asarray(tree.depth)], axis=1)
     group = q.shape[2] // k.shape[1]
     out = np.zeros_like(q)
@@ -84,7 +84,7 @@ def test_tree_attention_kernel_and_reference_match_the_oracle(window, config):
     start = jnp.asarray([7, 20], jnp.int32)
     q = jnp.asarray(rng.standard_normal((B, N + 1, Hq, D)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((2, B, Hkv, S, D)), jnp.float32) for _ in range(2))
-    mask = tree.verify_mask(start)
+    mask = tree.verify_mask(start, N)
     expected = _oracle(q, k, v, 1, tree, start, 0.3, window)
     reference = attention_reference(q, k, v, 1, start, scale=0.3, window=window, tree=mask)
     kernel = attention_triton(q, k, v, 1, start, scale=0.3, window=window, tree=mask, config=config, interpret=True)
@@ -97,7 +97,7 @@ def test_a_chain_shaped_tree_attends_as_the_causal_pass():
     q = jnp.asarray(rng.standard_normal((2, 5, 4, 16)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((1, 2, 2, 32, 16)), jnp.float32) for _ in range(2))
     start = jnp.asarray([3, 17], jnp.int32)
-    mask = chain(jnp.asarray([[1, 2, 3, 4]] * 2)).verify_mask(start)
+    mask = chain(jnp.asarray([[1, 2, 3, 4]] * 2)).verify_mask(start, 4)
     for window in (0, 6):   # a window longer than the tree
         np.testing.assert_allclose(attention_reference(q, k, v, 0, start, scale=0.25, window=window, tree=mask),
                                    attention_reference(q, k, v, 0, start, scale=0.25, window=window), atol=1e-6)

@@ -33,23 +33,23 @@ class DraftTree:
         """The tree without nodes deeper than max_depth [B] (a row's budget); their subtrees go with them."""
         return dataclasses.replace(self, tokens=jnp.where(self.depth <= max_depth[:, None], self.tokens, NO_NODE))
 
-    def ancestry(self) -> jax.Array:
-        """bool [B, N+1, N+1]: entry [i, j] says verify index j is i or an ancestor of i (the root is everyone's)."""
+    def ancestry(self, depth: int) -> jax.Array:
+        """bool [B, N+1, N+1]: entry [i, j] says verify index j is i or an ancestor of i (the root is everyone's),
+        for a tree no deeper than `depth` (static): that many parent hops from every node at once."""
         B, N = self.tokens.shape
-        own = jnp.eye(N + 1, dtype=bool)
-
-        def add(anc, j):
-            parent_row = jnp.take_along_axis(anc, self.parents[:, j][:, None, None], axis=1)[:, 0]
-            return anc.at[:, j + 1].set(parent_row | own[j + 1]), None
-
-        anc, _ = jax.lax.scan(add, jnp.broadcast_to(own, (B, N + 1, N + 1)), jnp.arange(N))
+        up = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), self.parents], axis=1)   # the root is its own parent
+        node = jnp.broadcast_to(jnp.arange(N + 1, dtype=jnp.int32), (B, N + 1))
+        anc = jax.nn.one_hot(node, N + 1, dtype=bool)
+        for _ in range(depth):
+            node = jnp.take_along_axis(up, node, axis=1)
+            anc = anc | jax.nn.one_hot(node, N + 1, dtype=bool)
         return anc
 
-    def verify_mask(self, start: jax.Array) -> TreeMask:
+    def verify_mask(self, start: jax.Array, depth: int) -> TreeMask:
         """The target pass's mask: root at slot and position start[b], node j at slot start + j + 1 and
-        position start + depth, seeing its ancestors."""
+        position start + its depth, seeing its ancestors (a tree no deeper than `depth`)."""
         depths = jnp.concatenate([jnp.zeros_like(self.depth[:, :1]), self.depth], axis=1)
-        return TreeMask(positions=start[:, None] + depths, region_start=start, visible=self.ancestry())
+        return TreeMask(positions=start[:, None] + depths, region_start=start, visible=self.ancestry(depth))
 
 
 def chain(drafts: jax.Array) -> DraftTree:

@@ -283,11 +283,11 @@ def _tree_step(target, proposer: Proposer, draft_state, rows: RowParams, spec: L
         verify_tokens = jnp.concatenate([last[:, None], jnp.maximum(tree.tokens, 0)], axis=1)
         start = state.lengths - 1
         hidden, cache, aux = target(verify_tokens, start, state.cache, capture_layers=proposer.capture_layers,
-                                    tree=tree.verify_mask(start))
+                                    tree=tree.verify_mask(start, depth))
         raw_logits = gather_vocab(target.logits(hidden))  # [B, N+1, V]
         depths = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), tree.depth], axis=1)
         logits = _mask_stop_ids(raw_logits, rows, generated=state.lengths - state.prompt_lengths, offsets=depths)
-        logits = _penalised_tree(logits, rows, state.counts, tree)
+        logits = _penalised_tree(logits, rows, state.counts, tree, depth)
         out, accepted, path = accept_tree(logits, tree, draft_probs, depth, rows.temperature, rows.top_k,
                                           rows.top_p, rows.min_p, rows.seed, state.lengths, greedy_only=spec.greedy,
                                           kernels=target.kernels)
@@ -309,11 +309,12 @@ def _along(values: jax.Array, indices: jax.Array) -> jax.Array:
     return jnp.take_along_axis(values, indices.reshape(indices.shape + (1,) * (values.ndim - 2)), axis=1)
 
 
-def _penalised_tree(logits: jax.Array, rows: RowParams, counts: TokenCounts | None, tree: DraftTree) -> jax.Array:
+def _penalised_tree(logits: jax.Array, rows: RowParams, counts: TokenCounts | None, tree: DraftTree,
+                    depth: int) -> jax.Array:
     """_penalised for a tree's N + 1 positions: each counts its strict ancestors' tokens as generated."""
     if rows.penalties is None:
         return logits
-    strict = tree.ancestry()[:, :, 1:] & ~jnp.eye(logits.shape[1], dtype=bool)[None, :, 1:]   # [B, N+1, N]
+    strict = tree.ancestry(depth)[:, :, 1:] & ~jnp.eye(logits.shape[1], dtype=bool)[None, :, 1:]   # [B, N+1, N]
     drafted = jax.nn.one_hot(tree.tokens, logits.shape[-1], dtype=jnp.int32)                  # -1: all zero
     generated = counts.generated[:, None] + jnp.einsum("bij,bjv->biv", strict.astype(jnp.int32), drafted)
     p = rows.penalties

@@ -1,17 +1,18 @@
 """Verification of a draft tree against the target: the longest accepted root-to-node path, exact.
 
-One walk from the root, vectorised over rows: at the current node its children are tried in order (verify
-index); a child accepted becomes the current node, a child rejected hands the test to its next sibling, and when
-no child is left the walk ends and emits the target's own token there.
-- greedy rows accept a child whose token is the target's argmax at the current node (so the path is the
-  longest whose every token is the argmax at its parent);
-- random rows run recursive rejection sampling over the siblings (SpecInfer; Jeon et al. 2024 for drafts
+- greedy rows accept the longest path whose every token is the target's argmax at its parent, found at once for
+  every node (its ancestors all correct) and then the deepest such node (siblings are distinct, so the correct
+  nodes form one path), emitting the argmax there;
+- random rows walk from the root, vectorised over rows: at the current node its children are tried in order
+  (verify index); a child accepted becomes the current node, a child rejected hands the test to its next sibling,
+  and when no child is left the walk ends and emits the target's own token there. The test is recursive
+  rejection sampling over the siblings (SpecInfer; Jeon et al. 2024 for drafts
   drawn without replacement): child x, drawn from q, is accepted with probability min(1, p(x) / q(x)); a
   rejection replaces p by max(p - q, 0) renormalised and removes x from q (q renormalised) for the next
   sibling; when the children run out, the token is drawn from what is left of p. A deterministic drafter's q is
   one-hot (its distinct children are drafts without replacement): a rejected child's token is just taken out of
   p. Each step preserves the target distribution, so the emitted tokens follow p exactly.
-Each node is tested at most once, so the walk has N steps.
+Each node is tested at most once, so the walk has N steps (a loop of greedy rows runs none).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class _Walk:
     accepted: jax.Array   # i32 [B]
     path: jax.Array       # i32 [B, D]: verify indices of the accepted nodes, by depth (0 past `accepted`)
     rejected: jax.Array   # bool [B]: a child of the current node was rejected
-    p: jax.Array | None   # f32 [B, V]: the target distribution left at the current node (random rows)
+    p: jax.Array          # f32 [B, V]: the target distribution left at the current node
     q: jax.Array | None   # f32 [B, V]: the draft distribution left for the candidate (probabilistic drafts)
 
 
@@ -54,11 +55,50 @@ def accept_tree(target_logits: jax.Array, tree: DraftTree, draft_probs: jax.Arra
     vocab = target_logits.shape[-1]
     valid = (tree.tokens >= 0) & (tree.tokens < vocab)
     tokens = jnp.where(valid, tree.tokens, 0)
-    first_child, next_sibling = _links(tree.parents, valid)
     argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)                  # [B, N+1]
+    path, accepted = _argmax_path(tree, valid, tokens, argmax, max_depth)
+    last = jnp.take_along_axis(argmax, _deepest(path, accepted)[:, None], axis=1)[:, 0]
+    if not greedy_only:
+        greedy = is_greedy(temperature)
+        target_probs = processed_probs(target_logits, temperature, top_k, top_p, min_p, kernels)
+        walk = _walk(tree, valid, tokens, target_probs, draft_probs, max_depth, seed, position)
+        keys = row_key(seed, position + walk.accepted, jnp.where(walk.rejected, RECOVER, SAMPLE))
+        path = jnp.where(greedy[:, None], path, walk.path)
+        accepted = jnp.where(greedy, accepted, walk.accepted)
+        last = jnp.where(greedy, last, sample_from_probs(walk.p, keys))
+    return _emit(tokens, path, accepted, last, max_depth), accepted, path
+
+
+def _argmax_path(tree: DraftTree, valid: jax.Array, tokens: jax.Array, argmax: jax.Array,
+                 max_depth: int) -> tuple[jax.Array, jax.Array]:
+    """(path [B, max_depth], accepted [B]) of greedy verification: the deepest node whose ancestors and itself
+    are each the argmax at their parent (the first such by index, should siblings repeat a token)."""
+    correct = valid & (tokens == jnp.take_along_axis(argmax, tree.parents, axis=1))
+    ok = jnp.concatenate([jnp.ones_like(correct[:, :1]), correct], axis=1)             # the root is
+    anc = tree.ancestry(max_depth)
+    on_path = ~jnp.any(anc & ~ok[:, None, :], axis=-1)                                  # [B, N+1]
+    depth = jnp.concatenate([jnp.zeros_like(tree.depth[:, :1]), tree.depth], axis=1)
+    reach = jnp.where(on_path, depth, -1)
+    accepted = jnp.max(reach, axis=1).astype(jnp.int32)
+    best = jnp.argmax(reach == accepted[:, None], axis=1)
+    best_anc = jnp.take_along_axis(anc, best[:, None, None], axis=1)[:, 0]               # [B, N+1]
+    at_depth = best_anc[:, None, :] & (depth[:, None, :] == jnp.arange(1, max_depth + 1)[None, :, None])
+    path = jnp.where(jnp.any(at_depth, axis=-1), jnp.argmax(at_depth, axis=-1), 0).astype(jnp.int32)
+    return path, accepted
+
+
+def _deepest(path: jax.Array, accepted: jax.Array) -> jax.Array:
+    """The verify index the accepted path ends at (0: the root)."""
+    return jnp.where(accepted > 0, jnp.take_along_axis(path, jnp.maximum(accepted - 1, 0)[:, None], axis=1)[:, 0], 0)
+
+
+def _walk(tree: DraftTree, valid: jax.Array, tokens: jax.Array, target_probs: jax.Array,
+          draft_probs: jax.Array | None, max_depth: int, seed: jax.Array, position: jax.Array) -> _Walk:
+    """Recursive rejection sampling down the tree (the module docstring), every row as a random one."""
+    B, N = tree.tokens.shape
+    vocab = target_probs.shape[-1]
+    first_child, next_sibling = _links(tree.parents, valid)
     rows = jnp.arange(B)
-    greedy = is_greedy(temperature)
-    target_probs = None if greedy_only else processed_probs(target_logits, temperature, top_k, top_p, min_p, kernels)
     u = uniform(row_key(seed, position[:, None] + tree.depth - 1, TREE_ACCEPT + jnp.arange(N)[None, :]))
 
     def draft_q(node):
@@ -68,41 +108,30 @@ def accept_tree(target_logits: jax.Array, tree: DraftTree, draft_probs: jax.Arra
         live = walk.candidate >= 0
         node = jnp.maximum(walk.candidate, 0)
         x = tokens[rows, node]
-        ok = x == argmax[rows, walk.current]
-        if not greedy_only:
-            p_x = walk.p[rows, x]
-            q_x = jnp.ones_like(p_x) if walk.q is None else walk.q[rows, x]
-            by_ratio = (q_x > 0) & ((1.0 - u[rows, node]) * q_x <= p_x)
-            ok = jnp.where(greedy, ok, by_ratio)
+        p_x = walk.p[rows, x]
+        q_x = jnp.ones_like(p_x) if walk.q is None else walk.q[rows, x]
+        ok = (q_x > 0) & ((1.0 - u[rows, node]) * q_x <= p_x)
         accept, reject = live & ok, live & ~ok
         moved = jnp.where(accept, node + 1, walk.current)
         nxt = jnp.where(accept, first_child[rows, moved], jnp.where(reject, next_sibling[rows, node], walk.candidate))
         depth_slot = jax.nn.one_hot(walk.accepted, max_depth, dtype=bool) & accept[:, None]
-        walk = dataclasses.replace(
-            walk, current=moved, candidate=nxt, accepted=walk.accepted + accept,
-            path=jnp.where(depth_slot, node[:, None] + 1, walk.path),
-            rejected=jnp.where(accept, False, walk.rejected | reject))
-        if greedy_only:
-            return walk, None
         q_old = jax.nn.one_hot(x, vocab, dtype=jnp.float32) if walk.q is None else walk.q
-        p = jnp.where(accept[:, None], target_probs[rows, moved], jnp.where(reject[:, None], _residual(walk.p, q_old),
-                                                                              walk.p))
+        p = jnp.where(accept[:, None], target_probs[rows, moved],
+                      jnp.where(reject[:, None], _residual(walk.p, q_old), walk.p))
         q = walk.q
         if q is not None:
             without_x = _renormalised(q.at[rows, x].set(0.0))
             q = jnp.where(accept[:, None], draft_q(nxt), jnp.where(reject[:, None], without_x, q))
-        return dataclasses.replace(walk, p=p, q=q), None
+        return _Walk(current=moved, candidate=nxt, accepted=walk.accepted + accept,
+                     path=jnp.where(depth_slot, node[:, None] + 1, walk.path),
+                     rejected=jnp.where(accept, False, walk.rejected | reject), p=p, q=q), None
 
     start = first_child[:, 0]
     walk = _Walk(current=jnp.zeros((B,), jnp.int32), candidate=start, accepted=jnp.zeros((B,), jnp.int32),
                  path=jnp.zeros((B, max_depth), jnp.int32), rejected=jnp.zeros((B,), bool),
-                 p=None if greedy_only else target_probs[:, 0], q=draft_q(start))
+                 p=target_probs[:, 0], q=draft_q(start))
     walk, _ = jax.lax.scan(test, walk, None, length=N)
-    last = argmax[rows, walk.current]
-    if not greedy_only:
-        keys = row_key(seed, position + walk.accepted, jnp.where(walk.rejected, RECOVER, SAMPLE))
-        last = jnp.where(greedy, last, sample_from_probs(walk.p, keys))
-    return _emit(tokens, walk.path, walk.accepted, last, max_depth), walk.accepted, walk.path
+    return walk
 
 
 def _links(parents: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
