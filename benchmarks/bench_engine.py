@@ -4,7 +4,8 @@ Llama-3.1-8B-shaped model with random bf16 weights; and the plain generate loop 
 compiled while body launches and copies (`loop`, the 8B or the default model's shape).
 
     PYTHONPATH=. python benchmarks/bench_engine.py [--suites step,e2e,spec,sampled,eagle,loop,tree]
-        [--impl auto|reference] [--xla-projections] [--loop-shape 8b|smollm2] [--trace] [--smoke]
+        [--impl auto|reference] [--xla-projections] [--loop-shape 8b|smollm2] [--trace] [--tree-nodes 8,16,32,64]
+        [--smoke]
 
 Writes $OUT/bench_engine_<suite>_<impl>.json and prints a table per suite. `--smoke` runs every suite (unless
 --suites says otherwise) on tiny shapes, to check the script on a CPU. `tree`: a draft tree's verify pass (N nodes
@@ -389,6 +390,7 @@ def parse_args(argv):
     parser.add_argument("--ks", help="default 3,5")
     parser.add_argument("--loop-shape", default="8b", choices=LOOP_SHAPES, help="the loop suite's model shape")
     parser.add_argument("--trace", action="store_true", help="profile the loop suite's loop")
+    parser.add_argument("--tree-nodes", help="the tree suite's node counts (default 8,16,32,64)")
     parser.add_argument("--smoke", action="store_true", help="every suite on tiny shapes, to check the script on CPU")
     args = parser.parse_args(argv)
     args.suites = (args.suites or (",".join(SUITES) if args.smoke else "step,e2e,spec")).split(",")
@@ -401,6 +403,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     target_cfg, draft_cfg = (SMOKE_TARGET, SMOKE_DRAFT) if args.smoke else (LLAMA31_8B, LLAMA32_1B)
     sizes = SMOKE_SIZES if args.smoke else Sizes()
+    if args.tree_nodes:
+        sizes = dataclasses.replace(sizes, tree_nodes=tuple(int(n) for n in args.tree_nodes.split(",")))
     suites, batches, ks = args.suites, args.batches, args.ks
     small_batches = tuple(b for b in batches if b <= 8)
     kernels = KernelPolicy(impl=args.impl)

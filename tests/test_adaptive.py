@@ -344,7 +344,8 @@ def test_a_head_caught_up_after_plain_steps_equals_one_that_observed_each(tmp_pa
         paused = _row0_from(skip, both, B)
     caught = jax.jit(proposer.catch_up)(head_state, paused, tokens, lengths, rows)
     valid = int(lengths[0]) - 1
-    np.testing.assert_allclose(caught.hidden, observed.hidden, atol=1e-5)
+    # One pass over the kept positions against one pass per position: fp32 rounding, on hidden states up to 40.
+    np.testing.assert_allclose(caught.hidden, observed.hidden, atol=1e-4)
     assert caught.first.tolist() == observed.first.tolist()
     np.testing.assert_allclose(caught.cache.k[:, :, :, :valid], observed.cache.k[:, :, :, :valid], atol=1e-5)
     np.testing.assert_allclose(caught.cache.v[:, :, :, :valid], observed.cache.v[:, :, :, :valid], atol=1e-5)

@@ -220,7 +220,7 @@ def _attention_kernel(layer_ref, window_ref, start_ref, q_ref, k_ref, v_ref, *re
     scale2 = scale * _LOG2_E
     offsets = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
 
-    def visit_block(index, carry):
+    def visit_block(index, carry, in_tree: bool):
         acc, row_max, row_sum = carry
         first = lo + index * block_k
         slots = first + offsets
@@ -230,10 +230,11 @@ def _attention_kernel(layer_ref, window_ref, start_ref, q_ref, k_ref, v_ref, *re
         k = plt.load(k_ref.at[layer, b, h, block, :], mask=loadable, other=0.0)
         logits = plt.dot(q, k, trans_b=True, precision=precision) * scale2
         visible = (slots[None, :] < row_end[:, None]) & (slots[None, :] >= row_first[:, None])
-        if tree_region:
+        if in_tree:
             offset = slots[None, :] - region
             in_region = (offset >= 0) & (offset < tree_region)
-            seen = plt.load(tree_visible_ref.at[(b * num_tokens + safe_token)[:, None], jnp.clip(offset, 0, tree_region - 1)],
+            node = jnp.clip(offset, 0, tree_region - 1)
+            seen = plt.load(tree_visible_ref.at[(b * num_tokens + safe_token)[:, None], node],
                             mask=in_region & real_row[:, None], other=0)
             visible = (slots[None, :] < row_end[:, None]) & jnp.where(in_region, seen != 0, visible)
         logits = jnp.where(visible, logits, -jnp.inf)
@@ -244,10 +245,15 @@ def _attention_kernel(layer_ref, window_ref, start_ref, q_ref, k_ref, v_ref, *re
         acc = acc * rescale[:, None] + plt.dot(probs.astype(v.dtype), v, precision=precision)
         return acc, new_max, row_sum * rescale + probs.sum(axis=1)
 
-    init = (jnp.zeros(q.shape, jnp.float32),
-            jnp.full((rows_per_tile,), _MAX_INIT, jnp.float32),
-            jnp.zeros((rows_per_tile,), jnp.float32))
-    acc, row_max, row_sum = lax.fori_loop(0, num_blocks, visit_block, init)
+    carry = (jnp.zeros(q.shape, jnp.float32),
+             jnp.full((rows_per_tile,), _MAX_INIT, jnp.float32),
+             jnp.zeros((rows_per_tile,), jnp.float32))
+    # A tree's mask is read only in the blocks that reach its region: the prefix blocks before it run as plain.
+    plain_blocks = jnp.clip(lax.div(region - lo, block_k), 0, num_blocks) if tree_region else num_blocks
+    carry = lax.fori_loop(0, plain_blocks, functools.partial(visit_block, in_tree=False), carry)
+    if tree_region:
+        carry = lax.fori_loop(plain_blocks, num_blocks, functools.partial(visit_block, in_tree=True), carry)
+    acc, row_max, row_sum = carry
     has_mass = row_sum > 0
     safe_sum = jnp.where(has_mass, row_sum, 1.0)
     normalized = acc / safe_sum[:, None]
