@@ -135,10 +135,14 @@ def _draft_model(spec: SpeculativeConfig, target: Target, unroll_layers: bool | 
                                     replicated=not split)
     params = load_checkpoint(path, weight_map, target.dtype, shardings, ignored=family.ignored_tensors(cfg))
     draft = family.build(cfg, params, kernels=target.kernels, unroll_layers=unroll_layers)
+    if spec.tree is not None and not draft.supports_trees:
+        raise ValueError(f"speculative_config['tree_nodes']: this draft model ({cfg.architecture}) cannot draft a "
+                         "tree yet; drop tree_nodes to draft chains")
     graph, state = nnx.split(draft)
     proposer = DraftModelProposer(graph, spec.num_speculative_tokens,
                                   probabilistic=spec.draft_sample_method == "probabilistic",
-                                  cache_bytes=lambda batch, max_len: draft.cache_bytes(batch, max_len, shards))
+                                  cache_bytes=lambda batch, max_len: draft.cache_bytes(batch, max_len, shards),
+                                  tree=spec.tree)
     if target.mesh is not None and shards == 1:
         return Replicated(proposer), state
     return proposer, state

@@ -8,7 +8,6 @@ from typing import Any
 
 from specjax.config.validators import check_int
 
-TREE_METHODS = ("ngram", "eagle", "eagle3", "mtp")
 MAX_TREE_NODES = 128
 DEFAULT_BRANCHING = 4
 
@@ -20,15 +19,16 @@ class TreeShape:
     depth: int       # the longest path: num_speculative_tokens
 
     def drafted(self, method: str) -> int:
-        """Nodes the drafter produces before the best `nodes` are kept: a head expands the best `branching`
-        nodes of each level with their best `branching` children; n-gram lookup has `branching` chains."""
+        """Nodes the drafter produces before the best `nodes` are kept: a head or draft model expands the best
+        `branching` nodes of each level with their best `branching` children; n-gram lookup has `branching`
+        chains."""
         if method == "ngram":
             return self.branching * self.depth
         return self.branching + (self.depth - 1) * self.branching ** 2
 
     @property
     def drafting_slots(self) -> int:
-        """Cache slots past the committed end a head's level-by-level drafting writes."""
+        """Cache slots past the committed end a drafter's level-by-level passes write."""
         return (self.depth - 1) * self.branching
 
 
@@ -48,9 +48,6 @@ def parse_tree(d: dict[str, Any], method: str, depth: int, draft_sample_method: 
                          f"{MAX_TREE_NODES} nodes per verify pass")
     branching = DEFAULT_BRANCHING if branching is None else branching
     check_int(branching, "speculative_config['tree_branching']", minimum=1)
-    if method not in TREE_METHODS:
-        raise ValueError(f"speculative_config['tree_nodes'] works with methods {TREE_METHODS}, not {method!r}: "
-                         "drop tree_nodes to draft a chain")
     if draft_sample_method != "greedy":
         raise ValueError("a draft tree keeps each node's best children (top-k, drafts without replacement): set "
                          "speculative_config['draft_sample_method'] to 'greedy' or drop tree_nodes")

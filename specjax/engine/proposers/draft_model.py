@@ -4,6 +4,10 @@ Catch-up needs no extra pass: the draft's KV for accepted drafts was written whi
 proposal starts by running the last two committed tokens (re-writing one slot, harmlessly), which covers
 the one slot never drafted when every draft was accepted. After plain decode steps (adaptive speculation's
 k = 0 tier) the committed tokens run ahead of the draft's KV; catch_up runs them in chunks first.
+
+With a draft tree, `propose_tree` grows EAGLE-2's tree from the draft's distribution at the last committed
+token (each level's best `branching` nodes run in one pass, each seeing its ancestors). The accepted nodes'
+KV sits at tree slots, not at their positions, so every tree step starts by catching up on what was committed.
 """
 from __future__ import annotations
 
@@ -14,9 +18,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.config.draft_tree import TreeShape
 from specjax.engine import sampling
+from specjax.engine.draft_tree import grow
 from specjax.engine.proposers.base import IgnoresTarget
 from specjax.engine.state import RowParams
+from specjax.kernels.tree_mask import TreeMask
 
 # Tokens per catch-up pass of the draft after plain steps.
 CATCH_UP_CHUNK = 8
@@ -31,11 +38,12 @@ class DraftCarry:
 
 class DraftModelProposer(IgnoresTarget):
     def __init__(self, draft_graph: nnx.GraphDef, k: int, probabilistic: bool,
-                 cache_bytes: Callable[[int, int], int]):
+                 cache_bytes: Callable[[int, int], int], tree: TreeShape | None = None):
         """cache_bytes(batch, max_len): what one device holds of the draft's cache (its module's
-        cache_bytes at the draft's tensor-parallel size)."""
+        cache_bytes at the draft's tensor-parallel size); tree: draft trees of this shape (k its depth)."""
         self.draft_graph = draft_graph
         self.k = k
+        self.tree = tree
         self.probabilistic = probabilistic
         self.cache_bytes = cache_bytes
 
@@ -89,6 +97,27 @@ class DraftModelProposer(IgnoresTarget):
         if not self.probabilistic:
             return drafts, None, carry
         return drafts, jnp.concatenate([probs[:, None], jnp.swapaxes(rest_probs, 0, 1)], axis=1), carry
+
+    def propose_tree(self, draft_state, carry: DraftCarry, tokens: jax.Array, lengths: jax.Array,
+                     rows: RowParams):
+        """EAGLE-2's tree from the draft model, greedy (q one-hot). A depth-d node runs at position
+        lengths - 1 + d; level l's nodes are written at slots lengths + (l - 1) * branching .., past the
+        committed end (the next step's catch-up overwrites what was accepted)."""
+        carry = self.catch_up(draft_state, carry, tokens, lengths, rows)
+        draft = nnx.merge(self.draft_graph, draft_state)
+        B, shape = tokens.shape[0], self.tree
+        last_two = jnp.stack([tokens[jnp.arange(B), lengths - 2], tokens[jnp.arange(B), lengths - 1]], axis=1)
+        hidden, cache, _ = draft(last_two, lengths - 2, carry.cache)
+
+        def step(level, cache, tokens, states, visible):
+            mask = TreeMask(positions=jnp.broadcast_to((lengths - 1 + level)[:, None], tokens.shape),
+                            region_start=lengths, visible=visible)
+            hidden, cache, _ = draft(tokens, lengths + (level - 1) * shape.branching, cache, tree=mask)
+            return jax.nn.log_softmax(draft.logits(hidden), axis=-1), states, cache
+
+        tree, cache = grow(jax.nn.log_softmax(draft.logits(hidden[:, -1]), axis=-1), jnp.zeros((B, 0)), step, cache,
+                           depth=shape.depth, branching=shape.branching, nodes=shape.nodes)
+        return tree, None, DraftCarry(cache, lengths)
 
     def _choose(self, logits: jax.Array, rows: RowParams, position: jax.Array, kernels):
         """Greedy drafting takes the argmax (q one-hot, so no probs are kept); probabilistic drafting draws
