@@ -374,6 +374,29 @@ def test_llm_greedy_trees_equal_plain_decoding_on_mixed_prompts(tiny_dir, defaul
         assert 0.9 * possible <= metrics["vllm:spec_decode_num_accepted_tokens"].value <= possible
 
 
+def test_tree_rows_with_penalties_stop_ids_and_sampling(tiny_dir, default_model_dir):
+    """Greedy rows with penalties, min_tokens and stop ids equal plain decoding's; seeded sampled rows (the
+    acceptance walk) reproduce and respect max_tokens."""
+    prompts = [{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}, {"prompt_token_ids": [9, 9, 4]}]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3, presence_penalty=0.4,
+                             frequency_penalty=0.2, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, min_tokens=6, stop_token_ids=[5, 6, 7, 9])]
+    sampled = [SamplingParams(temperature=0.9, top_p=0.9, seed=s, max_tokens=20, ignore_eos=True) for s in (1, 2)]
+
+    def llm(spec):
+        return LLM(str(tiny_dir), tokenizer=str(default_model_dir), max_model_len=96, max_num_seqs=2,
+                   speculative_config=spec)
+
+    def tokens(engine, params):
+        return [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+
+    tree = llm({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "tree_nodes": 6,
+                "tree_branching": 2})
+    assert tokens(tree, greedy) == tokens(llm(None), greedy)
+    first, again = tokens(tree, sampled), tokens(tree, sampled)
+    assert first == again and [len(t) for t in first] == [20, 20]
+
+
 @pytest.mark.parametrize("keys, match", [
     ({"tree_branching": 2}, "needs 'tree_nodes'"),
     ({"tree_nodes": 0}, "must be >= 1"),

@@ -23,11 +23,11 @@ from jax.sharding import Mesh
 from specjax.config.speculation_policy import SpeculationPolicy
 from specjax.engine import sampling
 from specjax.engine.adaptive import SEGMENT, PolicyInputs, choose_tier, init_adapt, record
-from specjax.engine.proposers.base import Proposer, TargetPass
 from specjax.engine.draft_tree import DraftTree
+from specjax.engine.proposers.base import Proposer, TargetPass
 from specjax.engine.rejection import rejection_sample
-from specjax.engine.tree_acceptance import accept_tree
 from specjax.engine.state import LoopState, RowParams, SpecCounters, TokenCounts, TokenLogprobs
+from specjax.engine.tree_acceptance import accept_tree
 from specjax.parallel.mesh import gather_vocab
 from specjax.parallel.sharded_loop import sharded_generate
 
