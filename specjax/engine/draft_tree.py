@@ -78,7 +78,7 @@ def from_chains(chains: jax.Array, nodes: int) -> DraftTree:
                      depth=depth_major(depth))
 
 
-# step(level, carry, tokens [B, b], states [B, b, ...], visible [B, b, R]) -> (log-probs [B, b, V], the children's
+# step(level, carry, tokens [B, b], states [B, b, ...], visible [B, b, R]) -> (logits [B, b, V], the children's
 # states, carry): run the frontier of `level` (its nodes at depth level) through the drafter, each node seeing the
 # frontier slots of earlier levels its `visible` row marks (level l's nodes at region slots (l-1)*b ..).
 GrowStep = Callable[[int, Any, jax.Array, Any, jax.Array], tuple[jax.Array, Any, Any]]
@@ -89,15 +89,15 @@ def capacity(depth: int, branching: int) -> int:
     return branching + (depth - 1) * branching * branching
 
 
-def grow(root_logprobs: jax.Array, root_state: Any, step: GrowStep, carry: Any, *, depth: int, branching: int,
+def grow(root_logits: jax.Array, root_state: Any, step: GrowStep, carry: Any, *, depth: int, branching: int,
          nodes: int, token_ids: Callable[[jax.Array], jax.Array] = lambda ids: ids) -> tuple[DraftTree, Any]:
-    """EAGLE-2's tree from the drafter's log-probabilities at the root [B, V] and its state there ([B, ...],
-    what the root's children are run with). `token_ids` maps the drafter's vocabulary to the target's.
-    Returns the best `nodes` of capacity(depth, branching) drafted nodes and the step's final carry."""
+    """EAGLE-2's tree from the drafter's logits at the root [B, V] and its state there ([B, ...], what the root's
+    children are run with). `token_ids` maps the drafter's vocabulary to the target's. Returns the best `nodes`
+    of capacity(depth, branching) drafted nodes and the step's final carry."""
     b = branching
-    B = root_logprobs.shape[0]
+    B = root_logits.shape[0]
     region = (depth - 1) * b
-    score, token = jax.lax.top_k(root_logprobs, b)
+    score, token = _best_children(root_logits, b)
     pool = _Pool(tokens=[token], scores=[score], parents=[jnp.full((B, b), -1, jnp.int32)],
                  depths=[jnp.ones((B, b), jnp.int32)])
     frontier = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32), (B, b))     # pool indices
@@ -105,8 +105,8 @@ def grow(root_logprobs: jax.Array, root_state: Any, step: GrowStep, carry: Any, 
     visible = jax.nn.one_hot(jnp.arange(b), region, dtype=bool)[None].repeat(B, 0) if region else None
     size = b
     for level in range(1, depth):
-        logprobs, child_states, carry = step(level, carry, token_ids(token), states, visible)
-        child_score, child_token = jax.lax.top_k(logprobs, b)                # [B, b, b]
+        logits, child_states, carry = step(level, carry, token_ids(token), states, visible)
+        child_score, child_token = _best_children(logits, b)                # [B, b, b]
         child_score = child_score + score[:, :, None]
         pool.add(child_token.reshape(B, b * b), child_score.reshape(B, b * b),
                  jnp.repeat(frontier, b, axis=1), level + 1)
@@ -121,6 +121,13 @@ def grow(root_logprobs: jax.Array, root_state: Any, step: GrowStep, carry: Any, 
             own_slot = jax.nn.one_hot(level * b + jnp.arange(b), region, dtype=bool)[None]
             visible = jnp.take_along_axis(visible, parent[:, :, None], axis=1) | own_slot
     return pool.best(nodes, token_ids), carry
+
+
+def _best_children(logits: jax.Array, b: int) -> tuple[jax.Array, jax.Array]:
+    """The b most probable tokens of logits [..., V] and their log-probabilities (top-k of the logits less their
+    log-sum-exp: no V-sized log-softmax is written)."""
+    best, token = jax.lax.top_k(logits.astype(jnp.float32), b)
+    return best - jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1, keepdims=True), token
 
 
 @dataclasses.dataclass

@@ -113,9 +113,9 @@ class DraftModelProposer(IgnoresTarget):
             mask = TreeMask(positions=jnp.broadcast_to((lengths - 1 + level)[:, None], tokens.shape),
                             region_start=lengths, visible=visible)
             hidden, cache, _ = draft(tokens, lengths + (level - 1) * shape.branching, cache, tree=mask)
-            return jax.nn.log_softmax(draft.logits(hidden), axis=-1), states, cache
+            return draft.logits(hidden), states, cache
 
-        tree, cache = grow(jax.nn.log_softmax(draft.logits(hidden[:, -1]), axis=-1), jnp.zeros((B, 0)), step, cache,
+        tree, cache = grow(draft.logits(hidden[:, -1]), jnp.zeros((B, 0)), step, cache,
                            depth=shape.depth, branching=shape.branching, nodes=shape.nodes)
         return tree, None, DraftCarry(cache, lengths)
 

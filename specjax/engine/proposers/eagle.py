@@ -175,9 +175,9 @@ class HeadProposer(Drafting):
             mask = TreeMask(positions=jnp.broadcast_to((lengths - 2 + level)[:, None], tokens.shape),
                             region_start=region, visible=visible)
             out, feed, cache = head(tokens, hidden, region + (level - 1) * shape.branching, cache, tree=mask)
-            return jax.nn.log_softmax(head.logits(out), axis=-1), feed, cache
+            return head.logits(out), feed, cache
 
-        tree, cache = grow(jax.nn.log_softmax(head.logits(carry.root), axis=-1), carry.hidden, step, carry.cache,
+        tree, cache = grow(head.logits(carry.root), carry.hidden, step, carry.cache,
                            depth=shape.depth, branching=shape.branching, nodes=shape.nodes,
                            token_ids=head.to_target_ids)
         return tree, None, dataclasses.replace(carry, cache=cache)
