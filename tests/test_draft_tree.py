@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from chi_square import chi_square_p_value
+from deepseek_checkpoints import deepseek_config
 from eagle_heads import write_head
 from flax import nnx
 from test_engine_loop import MAX_LEN, TARGET, _generated, _rows, _run
@@ -27,6 +28,7 @@ from specjax.engine.tree_acceptance import accept_tree
 from specjax.kernels.attention_reference import attention_reference
 from specjax.kernels.attention_triton import KernelConfig, attention_triton
 from specjax.kernels.policy import KernelPolicy
+from specjax.models.deepseek import FAMILY as DEEPSEEK
 from specjax.models.llama import FAMILY, LlamaConfig
 
 
@@ -101,6 +103,32 @@ def test_a_chain_shaped_tree_attends_as_the_causal_pass():
     for window in (0, 6):   # a window longer than the tree
         np.testing.assert_allclose(attention_reference(q, k, v, 0, start, scale=0.25, window=window, tree=mask),
                                    attention_reference(q, k, v, 0, start, scale=0.25, window=window), atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek"])
+def test_a_tree_pass_scores_each_node_as_its_own_path(family):
+    """The target's hidden state at every node of a random tree equals a causal pass over the prefix and that
+    node's path (Llama's GQA and DeepSeek's MLA, absorbed)."""
+    if family == "llama":
+        model = FAMILY.random(LlamaConfig.from_hf_dict(TINY), seed=0)
+    else:
+        hf = {**deepseek_config("v3").to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}
+        model = DEEPSEEK.random(DEEPSEEK.config_from_hf(hf), seed=0)
+    rng = np.random.default_rng(7)
+    N, prefix = 9, 6
+    tree = random_tree(rng, 1, N, vocab=40)
+    context = jnp.asarray(rng.integers(0, 40, (1, prefix)), jnp.int32)
+    start = jnp.asarray([prefix - 1], jnp.int32)
+    cache = model.init_cache(1, 32)
+    _, cache, _ = model(context[:, :-1], jnp.zeros((1,), jnp.int32), cache)
+    verify = jnp.concatenate([context[:, -1:], tree.tokens], axis=1)
+    hidden, _, _ = model(verify, start, cache, tree=tree.verify_mask(start, N))
+    anc = np.asarray(tree.ancestry(N))[0]
+    for node in range(N + 1):
+        path = [int(verify[0, j]) for j in range(N + 1) if anc[node, j]]   # ancestors come first (topological)
+        alone, _, _ = model(jnp.concatenate([context[:, :-1], jnp.asarray([path])], axis=1), jnp.zeros((1,), jnp.int32),
+                            model.init_cache(1, 32))
+        np.testing.assert_allclose(hidden[0, node], alone[0, -1], atol=2e-4, rtol=2e-4)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -168,6 +168,18 @@ def test_greedy_mtp_equals_plain_decoding(checkpoints, default_model_dir, plain,
     assert len(metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values) == k
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_greedy_mtp_trees_equal_plain_decoding(checkpoints, default_model_dir, plain, layout):
+    """Draft trees from the MTP layer (DeepSeek's over MLA's tree mask, MiMo's over the Qwen2 layer's)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # vLLM's warning for k above the MTP layers
+        llm = LLM(str(checkpoints(layout)[2]), tokenizer=str(default_model_dir), dtype="float32", **LIMITS,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 3, "tree_nodes": 8,
+                                      "tree_branching": 2})
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain(layout)
+
+
 def test_k_defaults_to_the_mtp_layers_and_legacy_names_map(with_mtp, default_model_dir):
     llm = LLM(str(with_mtp[2]), tokenizer=str(default_model_dir), **LIMITS, speculative_config={"method": "mtp"})
     assert llm.config.speculative.num_speculative_tokens == 1 and llm.proposer.k == 1
@@ -258,3 +270,23 @@ def test_a_perfect_mtp_layer_has_every_draft_accepted(perfect_mtp, default_model
         assert completion.num_drafts == steps and completion.num_accepted_tokens == k * steps
         assert completion.mean_acceptance_length == k + 1
         assert completion.num_accepted_tokens_per_pos == [steps] * k
+
+
+def test_a_perfect_mtp_layers_tree_accepts_its_first_level_every_step(perfect_mtp, default_model_dir):
+    """The MTP layer's distribution is the target's, so the root's best children hold the target's token: depth 1
+    is accepted at every step, deeper nodes where EAGLE-2's frontier kept the target's path; the accepted nodes lie
+    at scattered slots of MLA's latent cache, moved into place. Output equals plain decoding's."""
+    params = SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)
+    plain = LLM(str(perfect_mtp), tokenizer=str(default_model_dir), dtype="float32", **LIMITS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # vLLM's warning for k above the MTP layers
+        llm = LLM(str(perfect_mtp), tokenizer=str(default_model_dir), dtype="float32", **LIMITS,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 3, "tree_nodes": 6,
+                                      "tree_branching": 2})
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    for out in outs:
+        completion = out.outputs[0]
+        assert completion.num_accepted_tokens_per_pos[0] == completion.num_drafts > 0
+        assert completion.num_accepted_tokens_per_pos[1] > 0

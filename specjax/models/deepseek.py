@@ -373,7 +373,7 @@ def unstack_groups(params: dict, cfg: DeepseekConfig) -> dict:
 
 
 class DeepseekForCausalLM(nnx.Module):
-    supports_trees = False   # MLA's attention takes no tree mask yet
+    supports_trees = True
 
     def __init__(self, cfg: DeepseekConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  kernels: KernelPolicy = KernelPolicy(), unroll_layers: bool | None = None):
@@ -391,14 +391,11 @@ class DeepseekForCausalLM(nnx.Module):
                  capture_layers: tuple[int, ...] = (), fresh: bool = False,
                  tree: TreeMask | None = None) -> tuple[jax.Array, LatentCache, ForwardAux]:
         """Run T tokens per row [B, T] at positions start[b] .. start[b]+T-1 (the CausalLM contract)."""
-        if tree is not None:
-            raise ValueError("DeepSeek (MLA) models cannot verify a draft tree yet: drop tree_nodes from "
-                             "speculative_config")
         h = self.embed[...][tokens]
         latent, entering = cache.latent, []
         for group, layers in self.cfg.group_layers.items():
             if layers:
-                h, latent, inputs = self._run_group(group, layers, h, latent, start, fresh)
+                h, latent, inputs = self._run_group(group, layers, h, latent, start, fresh, tree)
                 entering.extend(inputs)
         captured = jnp.concatenate([entering[i] for i in capture_layers], axis=-1) if capture_layers else None
         hidden = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
@@ -417,10 +414,10 @@ class DeepseekForCausalLM(nnx.Module):
         cfg = self.cfg
         return LatentCache.bytes(cfg.num_layers, batch, max_len, cfg.latent_width, self.embed[...].dtype)
 
-    def _run_group(self, group: str, layers: tuple[int, ...], h, latent, start, fresh):
+    def _run_group(self, group: str, layers: tuple[int, ...], h, latent, start, fresh, tree):
         """The group's layers over (h, latent): scanned over stacked weights or unrolled over per-layer ones.
         Returns h, latent and the residual stream entering each of its layers."""
-        layer_fn = self._layer_fn(group, start, fresh)
+        layer_fn = self._layer_fn(group, start, fresh, tree)
         weights = getattr(self, group)
         if self.unroll_layers:
             inputs, carry = [], (h, latent)
@@ -432,12 +429,12 @@ class DeepseekForCausalLM(nnx.Module):
                                                    (_arrays(weights), jnp.asarray(layers, jnp.int32)))
         return h, latent, list(stacked_inputs)
 
-    def _layer_fn(self, group: str, start: jax.Array, fresh: bool):
+    def _layer_fn(self, group: str, start: jax.Array, fresh: bool, tree: TreeMask | None):
         def layer(carry, xs):
             h, latent = carry
             w, index = xs
             out, latent = decoder_layer(h, latent, w, index, start, self.cfg, self.kernels, moe_layer=group == "moe",
-                                        fresh=fresh)
+                                        fresh=fresh, tree=tree)
             return (out, latent), h
 
         return layer
@@ -445,15 +442,15 @@ class DeepseekForCausalLM(nnx.Module):
 
 def decoder_layer(h: jax.Array, latent: jax.Array, w: Mapping[str, jax.Array], index: jax.Array | int,
                   start: jax.Array, cfg: DeepseekConfig, kernels: KernelPolicy, *, moe_layer: bool,
-                  fresh: bool = False) -> tuple[jax.Array, jax.Array]:
-    """One DeepSeek decoder layer on h [B, T, H] at positions start[b] + t: h += MLA(input_norm(h)) over layer
-    `index` of the latent cache, then h += MLP(post_attention_norm(h)), the MLP dense or MoE. The target's
-    layers and its MTP layers' blocks run this. Returns (h, latent)."""
+                  fresh: bool = False, tree: TreeMask | None = None) -> tuple[jax.Array, jax.Array]:
+    """One DeepSeek decoder layer on h [B, T, H] at positions start[b] + t (a draft tree's: tree.positions):
+    h += MLA(input_norm(h)) over layer `index` of the latent cache, then h += MLP(post_attention_norm(h)), the
+    MLP dense or MoE. The target's layers and its MTP layers' blocks run this. Returns (h, latent)."""
     rotate = rotary(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, interleaved=cfg.rope_interleave,
                     max_position_embeddings=cfg.max_position_embeddings)
     attn, latent = mla_attention(rms_norm(h, w["attn_norm"], cfg.rms_norm_eps), w, latent, index, start,
                                  rotate=rotate, scale=yarn_softmax_scale(cfg.qk_head_dim, cfg.rope_scaling),
-                                 absorbed=kernels.mla_absorbed and not fresh, block=cfg.block)
+                                 absorbed=kernels.mla_absorbed and not fresh, block=cfg.block, tree=tree)
     h = h + attn
     x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
     if moe_layer:

@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from specjax.kernels.attention_reference import QUERY_CHUNK
 from specjax.kernels.projection_reference import rms_norm
+from specjax.kernels.tree_mask import TreeMask, tree_visible_slots
 from specjax.models.fp8 import linear
 from specjax.parallel.mesh import Layout
 
@@ -99,6 +100,14 @@ class LatentCache:
         """Replicated under tensor parallelism: each device attends with its own heads over every row."""
         return LatentCache(P())
 
+    def gathered(self, source: jax.Array, first: jax.Array) -> LatentCache:
+        """Slots first[b] + t of every layer hold what slots source[b, t] held (all read before any is
+        written)."""
+        picked = jnp.take_along_axis(self.latent, source[None, :, :, None], axis=2)     # [L, B, T, W]
+        rows = jnp.arange(self.latent.shape[1])[:, None]
+        slots = first[:, None] + jnp.arange(source.shape[1])[None, :]
+        return LatentCache(self.latent.at[:, rows, slots].set(picked, mode="drop"))
+
 
 def write_latent(cache: jax.Array, layer: jax.Array | int, rows: jax.Array, start: jax.Array) -> jax.Array:
     """Write rows [B, T, width] into layer `layer` of cache [L, B, S, width] at slots start[b] .. start[b] + T - 1.
@@ -115,15 +124,17 @@ def write_latent(cache: jax.Array, layer: jax.Array | int, rows: jax.Array, star
 
 
 def absorbed_attention(q_nope: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: jax.Array | int,
-                       start: jax.Array, w_uk: jax.Array, w_uv: jax.Array, *, scale: float) -> jax.Array:
+                       start: jax.Array, w_uk: jax.Array, w_uv: jax.Array, *, scale: float,
+                       tree: TreeMask | None = None) -> jax.Array:
     """Per-head outputs [B, T, H, v] of queries (q_nope [B, T, H, nope], rotated q_rope [B, T, H, rope]) against
-    the latent cache, with W_UK absorbed into the queries and W_UV applied after the average over c_kv."""
+    the latent cache, with W_UK absorbed into the queries and W_UV applied after the average over c_kv. A draft
+    tree's pass (`tree`) sees the slots its mask gives."""
     def attend(queries, latent, first_position):
         nope, rope = queries
         rank = w_uk.shape[1]
         q = jnp.concatenate([jnp.einsum("bthn,hrn->bthr", nope, w_uk), rope], axis=-1)   # [B, T, H, R + rope]
         logits = jnp.einsum("bthd,bsd->bhts", q, latent, preferred_element_type=jnp.float32) * scale
-        probs = _causal_softmax(logits, first_position)
+        probs = _masked_softmax(logits, first_position, tree)
         out_latent = jnp.einsum("bhts,bsr->bthr", probs, latent[..., :rank].astype(jnp.float32))
         return jnp.einsum("bthr,hrv->bthv", out_latent.astype(nope.dtype), w_uv)
 
@@ -131,7 +142,8 @@ def absorbed_attention(q_nope: jax.Array, q_rope: jax.Array, cache: jax.Array, l
 
 
 def expanded_attention(q_nope: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: jax.Array | int,
-                       start: jax.Array, w_uk: jax.Array, w_uv: jax.Array, *, scale: float) -> jax.Array:
+                       start: jax.Array, w_uk: jax.Array, w_uv: jax.Array, *, scale: float,
+                       tree: TreeMask | None = None) -> jax.Array:
     """`absorbed_attention`'s result computed the naive way: every cached row up-projected to per-head k_nope
     and v, then attention with key width nope + rope (the shared k_rope joins every head) and value width v."""
     def attend(queries, latent, first_position):
@@ -141,7 +153,7 @@ def expanded_attention(q_nope: jax.Array, q_rope: jax.Array, cache: jax.Array, l
         values = jnp.einsum("bsr,hrv->bshv", latent[..., :rank], w_uv)
         logits = (jnp.einsum("bthn,bshn->bhts", nope, k_nope, preferred_element_type=jnp.float32)
                   + jnp.einsum("bthp,bsp->bhts", rope, latent[..., rank:], preferred_element_type=jnp.float32))
-        probs = _causal_softmax(logits * scale, first_position)
+        probs = _masked_softmax(logits * scale, first_position, tree)
         return jnp.einsum("bhts,bshv->bthv", probs, values.astype(jnp.float32)).astype(nope.dtype)
 
     return _latent_attention(attend, q_nope, q_rope, cache, layer, start)
@@ -178,30 +190,36 @@ def _in_query_chunks(attend, queries: tuple[jax.Array, ...], latent: jax.Array, 
     return out.swapaxes(0, 1).reshape(batch, num_chunks * QUERY_CHUNK, *per_token)[:, :num_tokens]
 
 
-def _causal_softmax(logits: jax.Array, first_position: jax.Array) -> jax.Array:
-    """Softmax in fp32 of logits [B, H, T, S] over the slots each query may see (slot <= first_position[b] + t)."""
+def _masked_softmax(logits: jax.Array, first_position: jax.Array, tree: TreeMask | None) -> jax.Array:
+    """Softmax in fp32 of logits [B, H, T, S] over the slots each query may see: slot <= first_position[b] + t,
+    or a draft tree's mask (a tree pass is one query chunk)."""
     num_tokens, num_slots = logits.shape[2:]
-    positions = first_position[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
-    visible = jnp.arange(num_slots, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+    if tree is None:
+        positions = first_position[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+        visible = jnp.arange(num_slots, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+    else:
+        visible = tree_visible_slots(tree, num_slots, jnp.int32(0))
     return jax.nn.softmax(jnp.where(visible[:, None], logits.astype(jnp.float32), -jnp.inf), axis=-1)
 
 
 def mla_attention(x: jax.Array, weights: dict, cache: jax.Array, layer: jax.Array | int, start: jax.Array, *,
-                  rotate: Rotation, scale: float, absorbed: bool,
-                  block: tuple[int, int] | None = None) -> tuple[jax.Array, jax.Array]:
+                  rotate: Rotation, scale: float, absorbed: bool, block: tuple[int, int] | None = None,
+                  tree: TreeMask | None = None) -> tuple[jax.Array, jax.Array]:
     """One MLA layer on hidden states x [B, T, hidden] at positions start[b] + t: its T latent rows written into
     the cache, then attention in the absorbed or expanded form, then o_proj. Returns (out [B, T, hidden], cache).
 
     `rotate` applies the rope (e.g. functools.partial(rope.apply_rope, inv_freq=..., interleaved=True,
     attention_factor=...)) to q's rope part and to the one shared k_rope head; `scale` is the softmax scale
-    (rope.yarn_softmax_scale); `block` the FP8 weights' block shape ([in, out] orientation)."""
+    (rope.yarn_softmax_scale); `block` the FP8 weights' block shape ([in, out] orientation); `tree` a draft
+    tree's pass (its tokens at tree.positions, written at slots start[b] + t)."""
     batch, num_tokens = x.shape[:2]
-    positions = start.astype(jnp.int32)[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+    positions = (start.astype(jnp.int32)[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :] if tree is None
+                 else tree.positions)
     q_nope, q_rope = project_query(x, weights, block)
     c_kv, k_rope = project_latent(x, weights, block)
     q_rope = rotate(q_rope, positions)
     k_rope = rotate(k_rope[:, :, None, :], positions)[:, :, 0, :]
     cache = write_latent(cache, layer, jnp.concatenate([c_kv, k_rope], axis=-1), start)
     attention = absorbed_attention if absorbed else expanded_attention
-    heads = attention(q_nope, q_rope, cache, layer, start, weights["w_uk"], weights["w_uv"], scale=scale)
+    heads = attention(q_nope, q_rope, cache, layer, start, weights["w_uk"], weights["w_uv"], scale=scale, tree=tree)
     return linear(heads.reshape(batch, num_tokens, -1), weights, "wo", block), cache

@@ -112,6 +112,8 @@ def mtp_ignored(cfg: MtpConfig) -> str:
 
 
 class MtpHead(nnx.Module):
+    supports_trees = True
+
     def __init__(self, cfg: MtpConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, kernels: KernelPolicy = KernelPolicy()):
         self.cfg = cfg
         self.kernels = kernels
@@ -128,10 +130,6 @@ class MtpHead(nnx.Module):
     @property
     def dtype(self):
         return self.eh_proj[...].dtype
-
-    @property
-    def supports_trees(self) -> bool:
-        return self.cfg.layout != "deepseek"   # MLA's attention takes no tree mask yet
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -161,9 +159,6 @@ class MtpHead(nnx.Module):
         tree's: tree.positions), writing the head's cache at slots start[b] + t. Returns (output for the logits,
         hidden state to feed back: the same, cache)."""
         cfg, eps = self.cfg, self.cfg.target.rms_norm_eps
-        if tree is not None and not self.supports_trees:
-            raise ValueError("DeepSeek (MLA) MTP layers cannot draft a tree yet: drop tree_nodes from "
-                             "speculative_config")
         positions = (start[:, None] + jnp.arange(tokens.shape[1], dtype=start.dtype)[None, :] if tree is None
                      else tree.positions)
         embeds = jnp.where((positions > 0)[..., None], self.embed[...][tokens], 0).astype(hidden.dtype)
@@ -178,7 +173,8 @@ class MtpHead(nnx.Module):
         """The family's decoder block over the head's one-layer cache."""
         target = self.cfg.target
         if self.cfg.layout == "deepseek":
-            y, latent = deepseek.decoder_layer(x, cache.latent, weights, 0, start, target, self.kernels, moe_layer=True)
+            y, latent = deepseek.decoder_layer(x, cache.latent, weights, 0, start, target, self.kernels, moe_layer=True,
+                                               tree=tree)
             return y, LatentCache(latent)
         k_cache, v_cache = cache.k, cache.v
 
