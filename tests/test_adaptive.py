@@ -189,6 +189,35 @@ def test_greedy_output_equals_plain_decoding_while_tiers_switch(tiny_dir, defaul
         assert ran[0] > ran[K] > 0    # a random head loses: mostly plain steps, with probes
 
 
+TREE = {"tree_nodes": 6, "tree_branching": 2}
+
+
+@pytest.mark.parametrize("method, policy", [
+    ("ngram", {"num_speculative_tokens_per_batch_size": [[1, 2, K], [3, 5, 0], [6, 8, K]]}), ("eagle3", AUTO),
+    ("draft_model", {"num_speculative_tokens_per_batch_size": [[1, 4, 0], [5, 8, K]]})],
+    ids=["ngram-table", "eagle3-auto", "draft-table"])
+def test_draft_trees_switch_with_plain_steps_and_stay_exact(tiny_dir, default_model_dir, workload, plain_tokens,
+                                                            eagle3_head, method, policy):
+    """Under an adaptive policy a tree drafter's tiers are plain steps and its tree; it catches up after the
+    plain ones (a head from its ring, a draft model from the committed tokens)."""
+    drafter = {"ngram": {"prompt_lookup_min": 1, "prompt_lookup_max": 3}, "draft_model": {"model": str(tiny_dir)},
+               "eagle3": {"model": str(eagle3_head)}}[method]
+    spec = {"method": method, "num_speculative_tokens": K, **drafter, **TREE, **policy}
+    if method == "eagle3":
+        spec["step_costs"] = {0: 1.0, K: 2.0}
+    llm = _llm(tiny_dir, default_model_dir, spec)
+    outs = llm.generate(*workload, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain_tokens
+    ran = collections.Counter(k for t in llm.speculation_trace() for k in t.k_per_step)
+    assert set(ran) == {0, K}
+
+
+def test_a_trees_table_takes_only_plain_steps_and_the_tree():
+    with pytest.raises(ValueError, match="K is 0 .* or num_speculative_tokens"):
+        _spec(num_speculative_tokens_per_batch_size=[[1, 8, 1]], **TREE)
+    assert _spec(speculation_policy="auto", **TREE).policy.tiers == (0, K)
+
+
 def test_seeded_sampling_is_reproducible_under_the_auto_policy(tiny_dir, default_model_dir, workload):
     prompts, _ = workload
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=12, ignore_eos=True) for i in range(SLOTS)]

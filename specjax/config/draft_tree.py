@@ -1,6 +1,7 @@
 """`speculative_config`'s draft tree: `tree_nodes` (the nodes one verify pass scores) and `tree_branching` (the
 children a node may have, and for n-gram lookup the continuations it gathers); num_speculative_tokens is the
-tree's depth. Off (a chain) unless tree_nodes is given."""
+tree's depth. Off (a chain) unless tree_nodes is given. Under an adaptive speculation_policy the tiers are plain
+steps and the tree."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +33,7 @@ class TreeShape:
         return (self.depth - 1) * self.branching
 
 
-def parse_tree(d: dict[str, Any], method: str, depth: int, draft_sample_method: str, adaptive: bool,
+def parse_tree(d: dict[str, Any], method: str, depth: int, draft_sample_method: str,
                synthetic: bool) -> TreeShape | None:
     """The tree from speculative_config's tree_nodes / tree_branching (None: chains), checked against the rest
     of the config; every error names the key and the fix."""
@@ -51,9 +52,6 @@ def parse_tree(d: dict[str, Any], method: str, depth: int, draft_sample_method: 
     if draft_sample_method != "greedy":
         raise ValueError("a draft tree keeps each node's best children (top-k, drafts without replacement): set "
                          "speculative_config['draft_sample_method'] to 'greedy' or drop tree_nodes")
-    if adaptive:
-        raise ValueError("speculative_config['speculation_policy'] 'table' / 'auto' does not run draft trees yet: "
-                         "use 'fixed' or drop tree_nodes")
     if synthetic:
         raise ValueError("speculative_config['rejection_sample_method'] 'synthetic' models chains only: use "
                          "'standard' or drop tree_nodes")

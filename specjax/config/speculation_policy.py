@@ -35,9 +35,10 @@ class SpeculationPolicy:
         return self.mode != "fixed"
 
 
-def parse_policy(mode: Any, table: Any, step_costs: Any, k_max: int) -> SpeculationPolicy:
-    """The policy from speculative_config's keys. mode defaults to "table" when a table is given, else "fixed"."""
-    rows = _table(table, k_max) if table is not None else ()
+def parse_policy(mode: Any, table: Any, step_costs: Any, k_max: int, tree: bool = False) -> SpeculationPolicy:
+    """The policy from speculative_config's keys. mode defaults to "table" when a table is given, else "fixed".
+    With a draft tree (`tree`) the tiers are plain steps and the tree: a table's K is 0 or k_max."""
+    rows = _table(table, k_max, tree) if table is not None else ()
     if mode is None:
         mode = "table" if rows else "fixed"
     if mode not in POLICIES:
@@ -52,7 +53,7 @@ def parse_policy(mode: Any, table: Any, step_costs: Any, k_max: int) -> Speculat
         if step_costs is not None:
             raise ValueError("speculative_config['step_costs'] is read by speculation_policy 'auto' only")
         return SpeculationPolicy("fixed", (k_max,))
-    tiers = tuple(sorted({0, k_max, *(k for _, _, k in rows)})) if rows else auto_tiers(k_max)
+    tiers = tuple(sorted({0, k_max, *(k for _, _, k in rows)})) if rows else (0, k_max) if tree else auto_tiers(k_max)
     costs = None if step_costs is None else _step_costs(step_costs, tiers)
     if costs is not None and mode != "auto":
         raise ValueError("speculative_config['step_costs'] is read by speculation_policy 'auto' only")
@@ -65,7 +66,7 @@ def auto_tiers(k_max: int) -> tuple[int, ...]:
     return tuple(sorted({0, 1, k_max} | powers))
 
 
-def _table(table: Any, k_max: int) -> tuple[tuple[int, int, int], ...]:
+def _table(table: Any, k_max: int, tree: bool) -> tuple[tuple[int, int, int], ...]:
     name = "speculative_config['num_speculative_tokens_per_batch_size']"
     if not isinstance(table, (list, tuple)) or not table:
         raise TypeError(f"{name} must be a non-empty list of [start_bs, end_bs, K] rows, got {table!r}")
@@ -81,6 +82,9 @@ def _table(table: Any, k_max: int) -> tuple[tuple[int, int, int], ...]:
         if k > k_max:
             raise ValueError(f"{name} row {list(row)}: K={k} is more than num_speculative_tokens={k_max}, the "
                              "most the loop drafts; raise num_speculative_tokens or lower K")
+        if tree and k not in (0, k_max):
+            raise ValueError(f"{name} row {list(row)}: with a draft tree (tree_nodes) K is 0 (plain steps) or "
+                             f"num_speculative_tokens={k_max} (the tree)")
         rows.append((int(start), int(end), int(k)))
     rows.sort()
     for (s0, e0, _), (s1, _, _) in zip(rows, rows[1:]):

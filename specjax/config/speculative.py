@@ -96,7 +96,7 @@ class SpeculativeConfig:
         lookup_min, lookup_max = _prompt_lookup(method, d.get("prompt_lookup_min"), d.get("prompt_lookup_max"))
         draft_sample, rejection_sample = _sample_methods(d)
         policy = parse_policy(d.get("speculation_policy"), d.get("num_speculative_tokens_per_batch_size"),
-                              d.get("step_costs"), k)
+                              d.get("step_costs"), k, tree=d.get("tree_nodes") is not None)
         return cls(
             method=method, num_speculative_tokens=k, model=model,
             prompt_lookup_max=lookup_max, prompt_lookup_min=lookup_min,
@@ -108,7 +108,7 @@ class SpeculativeConfig:
             synthetic_acceptance_rates=_synthetic_rates(rejection_sample, k, d.get("synthetic_acceptance_rates"),
                                                         d.get("synthetic_acceptance_length")),
             policy=policy,
-            tree=parse_tree(d, method, k, draft_sample, policy.adaptive, rejection_sample == "synthetic"),
+            tree=parse_tree(d, method, k, draft_sample, rejection_sample == "synthetic"),
         )
 
     def synthetic_rates(self) -> tuple[float, ...] | None:

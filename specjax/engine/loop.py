@@ -192,21 +192,27 @@ def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
     updates (XLA aliases no conditional operand with its result), the KV caches among them, so the choice is
     made once a segment rather than every step."""
     policy = spec.policy
-    if proposer.tree is not None:
-        return _tree_step(target, proposer, draft_state, rows, spec)
     if policy is None:
+        if proposer.tree is not None:
+            return _tree_step(target, proposer, draft_state, rows, spec, adaptive=False)
         return _tier_step(target, proposer, draft_state, rows, spec, synthetic_rates, spec.k, adaptive=False)
 
     def segment(k: int):
-        step = _tier_step(target, proposer, draft_state, rows, spec, synthetic_rates, k, adaptive=True)
+        if proposer.tree is not None and k > 0:
+            step = _tree_step(target, proposer, draft_state, rows, spec, adaptive=True)
+        else:
+            step = _tier_step(target, proposer, draft_state, rows, spec, synthetic_rates, k, adaptive=True)
 
         def recorded_step(state: LoopState) -> LoopState:
             active = ~state.done
             before = state.counters
+            # A tree offers every depth its budget allows (its drafted count is its nodes, not its depths).
+            offered = jnp.clip(_budget(state, rows, spec) - 1, 0, k)
             state = step(state)
+            drafted = (offered if proposer.tree is not None
+                       else state.counters.num_draft_tokens - before.num_draft_tokens)
             adapt = record(state.adapt, state.steps - 1, jnp.asarray(k, jnp.int32),
-                           jnp.sum(active).astype(jnp.int32),
-                           state.counters.num_draft_tokens - before.num_draft_tokens,
+                           jnp.sum(active).astype(jnp.int32), drafted,
                            state.counters.num_accepted - before.num_accepted, active)
             return dataclasses.replace(state, adapt=adapt)
 
@@ -268,16 +274,20 @@ def _tier_step(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, s
     return step
 
 
-def _tree_step(target, proposer: Proposer, draft_state, rows: RowParams, spec: LoopSpec):
+def _tree_step(target, proposer: Proposer, draft_state, rows: RowParams, spec: LoopSpec, adaptive: bool):
     """One iteration drafting a tree per row: one target pass over the root (the last committed token) and the
-    tree's nodes, the accepted path's KV and hidden states moved to follow the root, the path committed."""
+    tree's nodes, the accepted path's KV and hidden states moved to follow the root, the path committed. An
+    adaptive loop's proposer first catches up on its tier of plain steps."""
     depth = proposer.k
 
     def step(state: LoopState) -> LoopState:
         B = state.lengths.shape[0]
         budget = _budget(state, rows, spec)
-        tree, draft_probs, proposer_state = proposer.propose_tree(draft_state, state.proposer, state.tokens,
-                                                                  state.lengths, rows)
+        carry = state.proposer
+        if adaptive:
+            carry = proposer.catch_up(draft_state, carry, state.tokens, state.lengths, rows)
+        tree, draft_probs, proposer_state = proposer.propose_tree(draft_state, carry, state.tokens, state.lengths,
+                                                                  rows)
         tree = tree.within(budget - 1)
         last = state.tokens[jnp.arange(B), state.lengths - 1]
         verify_tokens = jnp.concatenate([last[:, None], jnp.maximum(tree.tokens, 0)], axis=1)
