@@ -431,7 +431,6 @@ def test_tree_rows_with_penalties_stop_ids_and_sampling(tiny_dir, default_model_
     ({"tree_nodes": 500}, "at most 128"),
     ({"tree_nodes": 20, "tree_branching": 2}, "more than ngram drafts"),
     ({"tree_nodes": 8, "draft_sample_method": "probabilistic"}, "'greedy'"),
-    ({"tree_nodes": 8, "speculation_policy": "auto"}, "does not run draft trees"),
     ({"tree_nodes": 8, "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.0}, "chains only"),
 ])
 def test_bad_trees_are_refused_naming_the_field(keys, match):
