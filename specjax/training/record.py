@@ -38,6 +38,7 @@ class Recording:
 
 class FeatureRecorder:
     k = 0
+    tree = None   # plain decoding: no draft tree
 
     def __init__(self, aux_layer_ids: Sequence[int], hidden_size: int):
         self.capture_layers = tuple(aux_layer_ids)
