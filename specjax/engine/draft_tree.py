@@ -84,16 +84,12 @@ def from_chains(chains: jax.Array, nodes: int) -> DraftTree:
 GrowStep = Callable[[int, Any, jax.Array, Any, jax.Array], tuple[jax.Array, Any, Any]]
 
 
-def capacity(depth: int, branching: int) -> int:
-    """Nodes `grow` drafts before keeping the best: b at depth 1, then b * b per deeper level."""
-    return branching + (depth - 1) * branching * branching
-
-
 def grow(root_logits: jax.Array, root_state: Any, step: GrowStep, carry: Any, *, depth: int, branching: int,
          nodes: int, token_ids: Callable[[jax.Array], jax.Array] = lambda ids: ids) -> tuple[DraftTree, Any]:
     """EAGLE-2's tree from the drafter's logits at the root [B, V] and its state there ([B, ...], what the root's
     children are run with). `token_ids` maps the drafter's vocabulary to the target's. Returns the best `nodes`
-    of capacity(depth, branching) drafted nodes and the step's final carry."""
+    of the b + (depth - 1) * b * b drafted nodes (config/draft_tree.py TreeShape.drafted) and the step's final
+    carry."""
     b = branching
     B = root_logits.shape[0]
     region = (depth - 1) * b
