@@ -1,5 +1,6 @@
-"""`LLM`: vLLM's offline interface (generate, chat, get_metrics) over specjax's one-call-per-wave engine, and
-their streamed forms (generate_stream, chat_stream), which run each wave's loop in chunks.
+"""`LLM`: vLLM's offline interface (generate, chat, get_metrics) over specjax's engine, which runs a batch of
+requests in one jitted call (more requests than slots too, admitted into slots as rows finish), and their
+streamed forms (generate_stream, chat_stream), which run each wave's loop in chunks.
 
 Requests are checked before any work (tokenization aside): a malformed prompt, sampling_params or conversation
 raises a TypeError or ValueError naming the prompt and the field, and the engine stays usable.
@@ -18,7 +19,7 @@ from tqdm.auto import tqdm
 from specjax.build import build_engine
 from specjax.config import EngineConfig
 from specjax.default_model import DEFAULT_MODEL
-from specjax.engine.runner import Request, RowResult, WaveChunk, WaveRunner, WaveTrace
+from specjax.engine.runner import QueueTrace, Request, RowResult, WaveChunk, WaveRunner, WaveTrace
 from specjax.engine.state import TokenLogprobs
 from specjax.engine.stop_strings import FinishedRow, apply_stop_strings, token_finish_reason
 from specjax.engine.stream_text import TextStream
@@ -144,6 +145,11 @@ class LLM:
         return metrics + adaptive_metrics(per_k.tolist(), sum(sum(t.live_per_step) for t in traces),
                                           sum(t.slots * len(t.k_per_step) for t in traces))
 
+    def admission_trace(self) -> list[QueueTrace]:
+        """Continuous admission's record of each call that ran more requests than slots: its slots, requests
+        and iterations, each slot's busy iterations (`occupancy`: their share) and the prefill batches."""
+        return list(self._runner.queue_traces)
+
     def speculation_trace(self) -> list[WaveTrace]:
         """Adaptive speculation's record of each wave so far: its slots, and per loop iteration the k drafted
         and the rows running (empty for a fixed k)."""
@@ -182,13 +188,10 @@ class LLM:
         requests, owners = self._requests(token_lists, params_list)
         finished: list[list[_Finished]] = [[] for _ in prompt_list]
         with tqdm(total=len(requests), disable=not use_tqdm, desc="Processed prompts") as bar:
-            for start, wave in self._waves(requests):
-                started = time.time()
-                results = self._runner.run_wave(wave)
-                span = (started, time.time())
-                for owner, request, result in zip(owners[start:], wave, results):
+            for start, batch, results, span in self._calls(requests):
+                for owner, request, result in zip(owners[start:], batch, results):
                     finished[owner].append(_Finished(request, result, span))
-                bar.update(len(wave))
+                bar.update(len(batch))
         return [self._request_output(i, p, ids, done, arrival)
                 for i, (p, ids, done) in enumerate(zip(prompt_list, token_lists, finished))]
 
@@ -211,6 +214,19 @@ class LLM:
                 if len(finished[owner]) == params_list[owner].n:
                     yield StreamOutput(str(owner), child[j], [], "", True, self._request_output(
                         owner, prompt_list[owner], token_lists[owner], finished[owner], arrival))
+
+    def _calls(self, requests: list[Request]) -> Iterator[tuple[int, list[Request], list, tuple[float, float]]]:
+        """(index of the first request, the requests, their results, (started, returned)) per jitted call: one
+        call under continuous admission when the requests outnumber the slots on one device (unless
+        continuous_admission=False), else a wave each (streaming, and a mesh, run waves)."""
+        if self.config.continuous_admission and len(requests) > self.config.max_num_seqs and self.mesh is None:
+            calls = [(0, requests, self._runner.run_queue)]
+        else:
+            calls = [(start, wave, self._runner.run_wave) for start, wave in self._waves(requests)]
+        for start, batch, run in calls:
+            started = time.time()
+            results = run(batch)
+            yield start, batch, results, (started, time.time())
 
     def _waves(self, requests: list[Request]) -> Iterator[tuple[int, list[Request]]]:
         """The runner's waves, each with the index of its first request."""

@@ -134,8 +134,9 @@ def workload(tiny_dir):
 
 
 def _llm(model_dir, default_model_dir, spec=None) -> LLM:
+    # Waves: their records are checked per wave here (test_admission.py runs the policies under admission).
     return LLM(str(model_dir), tokenizer=str(default_model_dir), max_model_len=MAX_LEN, max_num_seqs=SLOTS,
-               speculative_config=spec)
+               speculative_config=spec, continuous_admission=False)
 
 
 @pytest.fixture(scope="module")

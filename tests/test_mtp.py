@@ -180,6 +180,24 @@ def test_greedy_mtp_trees_equal_plain_decoding(checkpoints, default_model_dir, p
     assert [o.outputs[0].token_ids for o in outs] == plain(layout)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mtp_under_continuous_admission_equals_plain_waves(checkpoints, default_model_dir, layout):
+    """12 requests through 3 slots: admitted rows get fresh MTP caches (MLA's latent one for DeepSeek)."""
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 38 + 3 for j in range(2 + i % 9)]} for i in range(12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * (i % 9), ignore_eos=True) for i in range(12)]
+    path, tokenizer = str(checkpoints(layout)[2]), str(default_model_dir)
+    one_wave = LLM(path, tokenizer=tokenizer, dtype="float32", max_model_len=96, max_num_seqs=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # vLLM's warning for k above the MTP layers
+        admitted = LLM(path, tokenizer=tokenizer, dtype="float32", max_model_len=96, max_num_seqs=3,
+                       speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    outs = admitted.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == \
+        [o.outputs[0].token_ids for o in one_wave.generate(prompts, params, use_tqdm=False)]
+    assert admitted.admission_trace()[0].admissions > 0
+    assert sum(o.outputs[0].num_drafts for o in outs) > 0
+
+
 def test_k_defaults_to_the_mtp_layers_and_legacy_names_map(with_mtp, default_model_dir):
     llm = LLM(str(with_mtp[2]), tokenizer=str(default_model_dir), **LIMITS, speculative_config={"method": "mtp"})
     assert llm.config.speculative.num_speculative_tokens == 1 and llm.proposer.k == 1

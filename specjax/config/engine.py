@@ -63,7 +63,7 @@ NO_EFFECT_KWARGS: dict[str, Any] = {
 ACCEPTED_KWARGS = (
     "model", "tokenizer", "dtype", "tensor_parallel_size", "max_model_len", "max_num_seqs", "seed",
     "gpu_memory_utilization", "enforce_eager", "trust_remote_code", "revision", "speculative_config",
-    "max_logprobs", "attention_impl", "unroll_layers",
+    "max_logprobs", "attention_impl", "unroll_layers", "continuous_admission",
 )
 
 
@@ -83,7 +83,9 @@ class EngineConfig:
     `resolve`, and without speculation). max_logprobs: the most logprobs / prompt_logprobs a request may ask
     for (vLLM's default 20; -1: the whole vocabulary). attention_impl: "auto" (the Pallas kernels where they
     run: attention, the fused projections, the top-k/top-p search), "reference" (pure JAX everywhere) or
-    "triton" (the kernels forced).
+    "triton" (the kernels forced). continuous_admission: more requests than max_num_seqs run as one jitted
+    call, each slot taking the next request when its row finishes (the default); False runs them in waves of
+    max_num_seqs, one call each (a wave ends with its longest request). A mesh and streaming run waves.
     """
 
     model: str
@@ -101,6 +103,7 @@ class EngineConfig:
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     attention_impl: str = "auto"
     unroll_layers: bool | None = None
+    continuous_admission: bool = True
     speculative: SpeculativeConfig | None = None
 
     @classmethod
@@ -143,7 +146,7 @@ class EngineConfig:
         if self.seed is not None:
             check_int(self.seed, "seed")
         check_memory_fraction(self.gpu_memory_utilization)
-        for name in ("enforce_eager", "trust_remote_code"):
+        for name in ("enforce_eager", "trust_remote_code", "continuous_admission"):
             check_bool(getattr(self, name), name)
         if self.unroll_layers is not None:
             check_bool(self.unroll_layers, "unroll_layers")

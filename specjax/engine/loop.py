@@ -56,10 +56,10 @@ def build_generate(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpe
     def generate(target_state, draft_state, prompt_tokens, prompt_lengths, rows: RowParams, cache_len: int,
                  synthetic_rates: jax.Array | None = None, policy: PolicyInputs | None = None):
         target = nnx.merge(target_graph, target_state)
-        with _exact_matmuls(target.embed[...].dtype):
-            state = _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec,
+        with exact_matmuls(target.embed[...].dtype):
+            state = prefill_rows(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec,
                              policy)
-            return _decode(target, proposer, draft_state, state, rows, spec, synthetic_rates)
+            return decode_rows(target, proposer, draft_state, state, rows, spec, synthetic_rates)
 
     return generate if mesh is None else sharded_generate(generate, mesh)
 
@@ -76,27 +76,31 @@ def build_stream(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpec)
     def prefill(target_state, draft_state, prompt_tokens, prompt_lengths, rows: RowParams, cache_len: int,
                 policy: PolicyInputs | None = None):
         target = nnx.merge(target_graph, target_state)
-        with _exact_matmuls(target.embed[...].dtype):
-            return _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec,
+        with exact_matmuls(target.embed[...].dtype):
+            return prefill_rows(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec,
                             policy)
 
     def advance(target_state, draft_state, state: LoopState, rows: RowParams, max_steps: jax.Array,
                 synthetic_rates: jax.Array | None = None):
         target = nnx.merge(target_graph, target_state)
-        with _exact_matmuls(target.embed[...].dtype):
-            return _decode(target, proposer, draft_state, state, rows, spec, synthetic_rates, max_steps)
+        with exact_matmuls(target.embed[...].dtype):
+            return decode_rows(target, proposer, draft_state, state, rows, spec, synthetic_rates, max_steps)
 
     return prefill, advance
 
 
-def _decode(target, proposer, draft_state, state: LoopState, rows: RowParams, spec: LoopSpec, synthetic_rates,
-            max_steps: jax.Array | None = None) -> LoopState:
-    """The step repeated while a row is running, and (when max_steps is given) at most max_steps times."""
+def decode_rows(target, proposer, draft_state, state: LoopState, rows: RowParams, spec: LoopSpec, synthetic_rates,
+            max_steps: jax.Array | None = None,
+            pause: Callable[[LoopState], jax.Array] | None = None) -> LoopState:
+    """The step repeated while a row is running, (when max_steps is given) at most max_steps times, and (when
+    pause is given) until pause(state) holds."""
     stop_at = None if max_steps is None else state.steps + max_steps
 
     def running(s: LoopState) -> jax.Array:
         going = jnp.any(~s.done)
-        return going if stop_at is None else going & (s.steps < stop_at)
+        if stop_at is not None:
+            going &= s.steps < stop_at
+        return going if pause is None else going & ~pause(s)
 
     body = _body_fn(target, proposer, draft_state, rows, spec, synthetic_rates, running)
     return jax.lax.while_loop(running, body, state)
@@ -140,15 +144,17 @@ def eager_compiler_options() -> dict[str, str]:
     return {"xla_gpu_enable_command_buffer": ""} if jax.default_backend() == "gpu" else {}
 
 
-def _exact_matmuls(dtype) -> contextlib.AbstractContextManager:
+def exact_matmuls(dtype) -> contextlib.AbstractContextManager:
     """float32 models trace their matmuls at full float32 precision: GPUs otherwise run them in TF32, which
     rounds a (k+1)-token verify pass differently from a one-token step, so greedy speculation would no longer
     reproduce plain decoding token for token. Other dtypes keep the default."""
     return jax.default_matmul_precision("highest") if dtype == jnp.float32 else contextlib.nullcontext()
 
 
-def _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec,
-             policy: PolicyInputs | None) -> LoopState:
+def prefill_rows(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec,
+             policy: PolicyInputs | None, record_len: int | None = None) -> LoopState:
+    """The rows' prompts run into fresh caches and their first tokens committed. record_len: iterations an
+    adaptive loop's record holds (cache_len by default, more than a wave runs)."""
     B, P = prompt_tokens.shape
     cache = target.init_cache(B, cache_len)
     start = jnp.zeros((B,), jnp.int32)
@@ -167,23 +173,22 @@ def _prefill(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows,
                                jnp.zeros((B, cache_len, spec.n_top), jnp.int32),
                                jnp.zeros((B, cache_len, spec.n_top), jnp.float32)),
         prompt_logprobs=None if spec.prompt_top is None else _prompt_logprobs(target, hidden, prompt_tokens, spec),
-        counts=counts, done=jnp.zeros((B,), bool), cache=cache,
+        counts=counts, done=jnp.zeros((B,), bool), done_at=jnp.zeros((B,), jnp.int32), cache=cache,
         proposer=proposer.init(draft_state, prompt_tokens, prompt_lengths, cache_len),
         counters=SpecCounters(*(jnp.zeros((B,), jnp.int32) for _ in range(3)),
                               jnp.zeros((B, spec.k), jnp.int32)),
-        steps=jnp.zeros((), jnp.int32), adapt=_init_adapt(spec, cache_len, policy))
+        steps=jnp.zeros((), jnp.int32), adapt=_init_adapt(spec, record_len or cache_len, policy))
     state = _commit(state, first[:, None], jnp.ones((B,), jnp.int32), raw_logits, rows, spec)
     return _observe(proposer, draft_state, state, TargetPass(hidden, aux.captured, start), rows)
 
 
-def _init_adapt(spec: LoopSpec, cache_len: int, policy: PolicyInputs | None):
-    """An adaptive loop's statistics (None for a fixed k). Each iteration commits a token per running row, so
-    a wave runs fewer than cache_len iterations: the per-iteration record has that many entries."""
+def _init_adapt(spec: LoopSpec, record_len: int, policy: PolicyInputs | None):
+    """An adaptive loop's statistics (None for a fixed k), recording up to record_len iterations."""
     if spec.policy is None:
         return None
     if policy is None:
         raise ValueError("an adaptive loop (LoopSpec.policy) needs its PolicyInputs (step costs) as `policy`")
-    return init_adapt(spec.k, cache_len, policy)
+    return init_adapt(spec.k, record_len, policy)
 
 
 def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, synthetic_rates, running):
@@ -426,12 +431,13 @@ def _commit(state: LoopState, out: jax.Array, candidates: jax.Array, raw_logits:
     rows_idx = jnp.arange(B)[:, None]
     logprobs = jax.tree.map(lambda kept, new: kept.at[rows_idx, slots].set(new, mode="drop"), state.logprobs,
                             _records(raw_logits, out, spec.n_top, spec.ranks))
+    done = state.done | (first_stop < n_emit) | (n_emit >= budget)
     return dataclasses.replace(
         state,
         tokens=state.tokens.at[rows_idx, slots].set(out, mode="drop"), logprobs=logprobs,
         counts=_count_generated(state.counts, out, idx < n_emit[:, None]),
-        lengths=state.lengths + n_emit,
-        done=state.done | (first_stop < n_emit) | (n_emit >= budget))
+        lengths=state.lengths + n_emit, done=done,
+        done_at=jnp.where(done & ~state.done, state.steps, state.done_at))
 
 
 def _count_generated(counts: TokenCounts | None, out: jax.Array, emitted: jax.Array) -> TokenCounts | None:

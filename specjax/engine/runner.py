@@ -1,5 +1,6 @@
 """Host side of generation: group requests into waves, pad them to shape buckets, run the jitted loop once
-per wave (or, streaming, in chunks), and hand back each row's tokens, logprobs (generated and prompt) and
+per wave (or, streaming, in chunks; or, for more requests than slots, once for all under continuous
+admission), and hand back each row's tokens, logprobs (generated and prompt) and
 speculative counters. An adaptive loop gets its tiers' step times here (given, stored or measured) and hands
 back its record of each iteration's k and live rows."""
 from __future__ import annotations
@@ -15,8 +16,10 @@ from jax.sharding import Mesh
 from specjax.config import EngineConfig, SpeculativeConfig
 from specjax.default_model import cache_root
 from specjax.engine.adaptive import PolicyInputs, policy_inputs
+from specjax.engine.admission import Queue, admit_batch, build_admitting
 from specjax.engine.calibration import StepCostStore, measure_step_costs
-from specjax.engine.loop import LoopSpec, eager_compiler_options, jit_generate, jit_stream
+from specjax.engine.loop import (LoopSpec, eager_compiler_options, jit_generate, jit_stream,
+                                 loop_compiler_options)
 from specjax.engine.proposers.base import Proposer, spare_slots
 from specjax.engine.rows import row_params
 from specjax.engine.shapes import MIN_PROMPT_BUCKET, bucket, buffer_len
@@ -52,6 +55,22 @@ class WaveTrace:
 
 
 @dataclasses.dataclass(frozen=True)
+class QueueTrace:
+    """A run of more requests than slots under continuous admission: its slots, requests and loop
+    iterations, the iterations each slot ran a request, and the prefill batches admitted after the first."""
+    slots: int
+    requests: int
+    steps: int
+    busy_per_slot: list[int]
+    admissions: int
+
+    @property
+    def occupancy(self) -> list[float]:
+        """Per slot, the share of the run's iterations it held a running request."""
+        return [b / max(self.steps, 1) for b in self.busy_per_slot]
+
+
+@dataclasses.dataclass(frozen=True)
 class WaveChunk:
     """What the host sees of a wave after one streamed chunk: each request's generated tokens so far and
     whether the loop has finished it; `results` (what run_wave returns) on the wave's last chunk only."""
@@ -81,6 +100,8 @@ class WaveRunner:
         self.step_cost_store = StepCostStore(cache_root() / "step_costs.json")
         self._step_costs: dict[str, PolicyInputs] = {}   # this engine's, by shape: the file is read once each
         self.traces: list[WaveTrace] = []       # adaptive waves' records, in the order they ran
+        self.queue_traces: list[QueueTrace] = []   # continuous admission's runs, in the order they ran
+        self._admitting: dict[tuple, Any] = {}   # LoopSpec fields -> jitted admitting generate
 
     def waves(self, requests: Sequence[Request]) -> Iterator[list[Request]]:
         step = self.config.max_num_seqs
@@ -98,6 +119,32 @@ class WaveRunner:
 
         state = run(self._policy_inputs(run, key, rows, lengths, cache_len), rows)
         return self._results(state, wave)
+
+    def run_queue(self, requests: Sequence[Request]) -> list[RowResult]:
+        """More requests than slots in one jitted call: each slot takes the next request when its row is done
+        (engine/admission.py). The results are in request order, token for token what waves would give."""
+        slots = self.config.max_num_seqs
+        prompts, lengths, rows, cache_len = self._pack(requests, num_rows=max(bucket(len(requests)), slots))
+        key = _spec_key(requests, rows, self.vocab_size)
+        head = jax.tree.map(lambda x: x[:slots], rows)
+        wave_fn = self.generate_fn(*key)
+
+        def run_head(policy, r):   # what calibration times: a wave of the first requests, shaped as the slots
+            return wave_fn(self.target_state, self.draft_state, prompts[:slots], lengths[:slots], r, cache_len,
+                           self.synthetic_rates, policy)
+
+        policy = self._policy_inputs(run_head, key, head, lengths[:slots], cache_len)
+        record_len = bucket(sum(self._max_new(r) for r in requests)) if self.policy is not None else 1
+        queue = Queue(prompts, lengths, rows, np.int32(len(requests)))
+        out = self.admitting_fn(*key)(self.target_state, self.draft_state, queue, slots, cache_len, record_len,
+                                      self.synthetic_rates, policy)
+        out = jax.device_get(out)
+        steps = int(out.steps)
+        self.queue_traces.append(QueueTrace(slots, len(requests), steps, out.busy.tolist(), int(out.admissions)))
+        if out.adapt is not None:
+            self.traces.append(WaveTrace(slots, out.adapt.k_per_step[:steps].tolist(),
+                                         out.adapt.live_per_step[:steps].tolist()))
+        return _unpack(out.results, requests, self.vocab_size)
 
     def stream_wave(self, wave: Sequence[Request], stream_interval: int) -> Iterator[WaveChunk]:
         """The wave run in chunks of at most `stream_interval` loop iterations: a WaveChunk after the prefill
@@ -159,6 +206,17 @@ class WaveRunner:
                                                compiler_options=self._options())
         return self._compiled[key]
 
+    def admitting_fn(self, n_top: int, greedy: bool, ranks: bool = False, prompt_top: int | None = None):
+        """generate_fn's loop under continuous admission (engine/admission.py), cached and compiled the same
+        way; slots, cache_len and record_len static."""
+        key = (n_top, greedy, ranks, prompt_top)
+        if key not in self._admitting:
+            fn = build_admitting(self.target_graph, self.proposer, self._spec(*key),
+                                 admit_batch=admit_batch(self.config.max_num_seqs))
+            options = loop_compiler_options() if self._options() is None else self._options()
+            self._admitting[key] = jax.jit(fn, static_argnums=(3, 4, 5), compiler_options=options)
+        return self._admitting[key]
+
     def stream_fns(self, n_top: int, greedy: bool, ranks: bool = False, prompt_top: int | None = None):
         """generate_fn's (prefill, advance) pair for streaming, cached and compiled the same way."""
         key = (n_top, greedy, ranks, prompt_top)
@@ -184,9 +242,12 @@ class WaveRunner:
                                          state.adapt.live_per_step[:steps].tolist()))
         return _unpack(state, wave, self.vocab_size)
 
-    def _pack(self, wave: Sequence[Request]) -> tuple[np.ndarray, np.ndarray, RowParams, int]:
+    def _pack(self, wave: Sequence[Request],
+              num_rows: int | None = None) -> tuple[np.ndarray, np.ndarray, RowParams, int]:
+        """The requests as padded host arrays of num_rows rows (by default the wave's bucket, at most the
+        slots), and the buffer length they all fit."""
         max_len = self.config.max_model_len
-        B = min(bucket(len(wave)), self.config.max_num_seqs)
+        B = min(bucket(len(wave)), self.config.max_num_seqs) if num_rows is None else num_rows
         longest = max(len(r.prompt_token_ids) for r in wave)
         P = min(bucket(longest, MIN_PROMPT_BUCKET), max_len)
         most_new = max(self._max_new(r) for r in wave)

@@ -78,6 +78,7 @@ class LoopState:
     prompt_logprobs: TokenLogprobs | None
     counts: TokenCounts | None   # None when no row has a penalty
     done: jax.Array          # bool [B]
+    done_at: jax.Array       # i32 [B]: the loop iteration (`steps`) at which the row finished; 0 while running
     cache: KVCache
     proposer: Any            # the proposer's own pytree (draft KV, ...); None when stateless
     counters: SpecCounters

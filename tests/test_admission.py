@@ -1,0 +1,156 @@
+"""Continuous admission: more requests than slots in one jitted call, each slot taking the next request when
+its row finishes. Greedy output equals plain decoding in waves for every drafter (trees and adaptive policies
+included) over 100+ prompts of mixed lengths and budgets through 8 slots; logprobs, prompt logprobs, penalties
+and counters come back per request in request order; seeded sampling is the same alone, in a batch and in any
+admission order; the slots' occupancy is reported."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from eagle_heads import write_head
+
+from specjax import LLM, SamplingParams
+
+K = 3
+MAX_LEN = 64
+SLOTS = 8
+REQUESTS = 104
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_checkpoint_factory):
+    return tiny_checkpoint_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_dir):
+    """REQUESTS prompts of 2 to 30 tokens (repetitive, so n-gram finds matches) with max_tokens 1 to 40."""
+    vocab = json.loads((tiny_dir / "config.json").read_text())["vocab_size"]
+    rng = np.random.default_rng(1)
+    prompts, params = [], []
+    for _ in range(REQUESTS):
+        motif = rng.integers(3, vocab, size=int(rng.integers(1, 5))).tolist()
+        prompts.append({"prompt_token_ids": (motif * 30)[:int(rng.integers(2, 31))]})
+        params.append(SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=int(rng.integers(1, 41))))
+    return prompts, params
+
+
+def _llm(model_dir, default_model_dir, spec=None, **kwargs) -> LLM:
+    return LLM(str(model_dir), tokenizer=str(default_model_dir), max_model_len=MAX_LEN, max_num_seqs=SLOTS,
+               speculative_config=spec, **kwargs)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def waves_llm(tiny_dir, default_model_dir):
+    return _llm(tiny_dir, default_model_dir, continuous_admission=False)
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(waves_llm, workload):
+    return _tokens(waves_llm.generate(*workload, use_tqdm=False))
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(tiny_dir, tmp_path_factory):
+    config = json.loads((tiny_dir / "config.json").read_text())
+    return write_head(tmp_path_factory.mktemp("EAGLE3-tiny"), config, "eagle3_yuhuili", scale=0.3)
+
+
+AUTO = {"speculation_policy": "auto", "step_costs": {0: 1.0, 1: 1.6, 2: 1.8, 3: 2.0}}
+TABLE = {"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 5, 0], [6, 8, 1]]}
+
+
+@pytest.mark.parametrize("method, extra", [
+    (None, {}), ("ngram", {}), ("draft_model", {}), ("eagle3", {}), ("ngram", TABLE), ("eagle3", AUTO),
+    ("ngram", {"tree_nodes": 6, "tree_branching": 2})],
+    ids=["plain", "ngram", "draft_model", "eagle3", "ngram-table", "eagle3-auto", "ngram-tree"])
+def test_greedy_admission_equals_plain_decoding_in_waves(tiny_dir, default_model_dir, workload, plain_tokens,
+                                                         eagle3_head, method, extra):
+    drafter = {"ngram": {"prompt_lookup_min": 1, "prompt_lookup_max": 3},
+               "draft_model": {"model": str(tiny_dir)},   # the target drafting for itself
+               "eagle3": {"model": str(eagle3_head)}, None: {}}[method]
+    spec = None if method is None else {"method": method, "num_speculative_tokens": K, **drafter, **extra}
+    llm = _llm(tiny_dir, default_model_dir, spec)
+    outs = llm.generate(*workload, use_tqdm=False)
+    assert _tokens(outs) == plain_tokens
+    [trace] = llm.admission_trace()
+    assert (trace.slots, trace.requests) == (SLOTS, REQUESTS) and trace.admissions > 0
+    # Every request held a slot for at least one iteration (its prefill's token aside), and no slot for more
+    # iterations than the call ran.
+    assert all(0 < b <= trace.steps for b in trace.busy_per_slot)
+    assert 0.5 < np.mean(trace.occupancy) <= 1.0
+    if spec is not None:
+        metrics = {m.name: m for m in llm.get_metrics()}
+        assert metrics["vllm:spec_decode_num_drafts"].value == sum(o.outputs[0].num_drafts for o in outs) > 0
+    if "speculation_policy" in extra or "num_speculative_tokens_per_batch_size" in extra:
+        [adaptive] = llm.speculation_trace()
+        assert len(adaptive.k_per_step) == trace.steps and len(set(adaptive.k_per_step)) > 1
+        assert max(adaptive.live_per_step) <= SLOTS
+    if method == "draft_model":   # self-drafting accepts every draft, admitted rows included
+        metrics = {m.name: m for m in llm.get_metrics()}
+        assert metrics["vllm:spec_decode_num_accepted_tokens"].value == \
+            metrics["vllm:spec_decode_num_draft_tokens"].value
+
+
+def test_records_and_counters_come_back_per_request_in_order(tiny_dir, default_model_dir, workload):
+    """Logprobs, ranks, prompt logprobs, penalties and the speculative counters under admission equal the
+    waves' for each request."""
+    prompts, _ = workload
+    rng = np.random.default_rng(2)
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=int(rng.integers(1, 30)), logprobs=2,
+                             prompt_logprobs=1, repetition_penalty=1.3 if i % 3 == 0 else 1.0)
+              for i in range(40)]
+    spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    admitted = _llm(tiny_dir, default_model_dir, spec).generate(prompts[:40], params, use_tqdm=False)
+    waves = _llm(tiny_dir, default_model_dir, spec, continuous_admission=False).generate(prompts[:40], params,
+                                                                                          use_tqdm=False)
+    for a, w in zip(admitted, waves):
+        assert a.prompt_token_ids == w.prompt_token_ids
+        ca, cw = a.outputs[0], w.outputs[0]
+        assert ca.token_ids == cw.token_ids
+        for la, lw in zip(ca.logprobs, cw.logprobs):
+            assert la.keys() == lw.keys()
+            for t in la:
+                assert la[t].rank == lw[t].rank
+                np.testing.assert_allclose(la[t].logprob, lw[t].logprob, rtol=1e-5, atol=1e-5)
+        assert [None if d is None else sorted(d) for d in a.prompt_logprobs] == \
+            [None if d is None else sorted(d) for d in w.prompt_logprobs]
+        assert (ca.num_drafts, ca.num_draft_tokens, ca.num_accepted_tokens, ca.num_accepted_tokens_per_pos) == \
+            (cw.num_drafts, cw.num_draft_tokens, cw.num_accepted_tokens, cw.num_accepted_tokens_per_pos)
+
+
+def test_seeded_sampling_is_the_same_alone_in_a_batch_and_in_any_admission_order(tiny_dir, default_model_dir,
+                                                                                 workload):
+    prompts, _ = workload
+    n = 30
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=5 + i % 17, ignore_eos=True)
+              for i in range(n)]
+    spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = _llm(tiny_dir, default_model_dir, spec)
+    in_order = _tokens(llm.generate(prompts[:n], params, use_tqdm=False))
+    order = np.random.default_rng(3).permutation(n)
+    shuffled = _tokens(llm.generate([prompts[i] for i in order], [params[i] for i in order], use_tqdm=False))
+    assert [shuffled[list(order).index(i)] for i in range(n)] == in_order
+    alone = [_tokens(llm.generate([prompts[i]], [params[i]], use_tqdm=False))[0] for i in (0, 7, 29)]
+    assert alone == [in_order[i] for i in (0, 7, 29)]
+    waves = _llm(tiny_dir, default_model_dir, spec, continuous_admission=False)
+    assert _tokens(waves.generate(prompts[:n], params, use_tqdm=False)) == in_order
+
+
+def test_waves_are_kept_when_the_requests_fit_the_slots(waves_llm, tiny_dir, default_model_dir, workload):
+    llm = _llm(tiny_dir, default_model_dir)
+    llm.generate(workload[0][:SLOTS], workload[1][:SLOTS], use_tqdm=False)
+    assert llm.admission_trace() == []
+    waves_llm.generate(*workload, use_tqdm=False)
+    assert waves_llm.admission_trace() == []
+
+
+def test_continuous_admission_must_be_a_bool(tiny_dir, default_model_dir):
+    with pytest.raises(TypeError, match="continuous_admission"):
+        _llm(tiny_dir, default_model_dir, continuous_admission="yes")
