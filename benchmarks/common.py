@@ -151,13 +151,17 @@ def _fmt(v) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
-def time_llm(model_dir, spec: dict | None, prompt_ids: list[list[int]], batch: int, max_tokens: int,
-             dtype: str = "auto") -> dict:
-    """Greedy generation of prompt_ids through the LLM facade, batch rows per wave, compiled beforehand:
-    tokens per prompt, seconds, vLLM's acceptance length and per-position acceptance rates, and (adaptive
-    speculation) the timed run's loop iterations at each k."""
-    llm = LLM(str(model_dir), speculative_config=spec, max_model_len=1024, max_num_seqs=batch, dtype=dtype)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+def time_llm(model_dir, spec: dict | None, prompt_ids: list[list[int]], batch: int, max_tokens: int | list[int],
+             dtype: str = "auto", continuous_admission: bool = True) -> dict:
+    """Greedy generation of prompt_ids through the LLM facade, batch slots (more prompts than slots: admitted
+    as rows finish, or in waves), compiled beforehand: tokens per prompt, seconds, vLLM's acceptance length
+    and per-position acceptance rates, (adaptive speculation) the timed run's loop iterations at each k, and
+    (admission) the mean slot occupancy and prefill batches of the timed run. max_tokens: one for all, or one
+    per prompt."""
+    llm = LLM(str(model_dir), speculative_config=spec, max_model_len=1024, max_num_seqs=batch, dtype=dtype,
+              continuous_admission=continuous_admission)
+    budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_ids)
+    params = [SamplingParams(temperature=0.0, max_tokens=n) for n in budgets]
     inputs = [{"prompt_token_ids": ids} for ids in prompt_ids]
     llm.generate(inputs, params, use_tqdm=False)  # compiles every shape bucket the timed run meets
     warm_iterations = _iterations_per_k(llm)
@@ -169,9 +173,11 @@ def time_llm(model_dir, spec: dict | None, prompt_ids: list[list[int]], batch: i
     per_position = ([sum(o.num_accepted_tokens_per_pos[i] for o in outs) / drafts
                      for i in range(spec["num_speculative_tokens"])] if spec and drafts else None)
     iterations = _iterations_per_k(llm)
+    timed = llm.admission_trace()[-1] if llm.admission_trace() else None
     return dict(tokens=[o.token_ids for o in outs], seconds=seconds,
                 acceptance_length=(1 + accepted / drafts) if drafts else None, per_position=per_position,
-                iterations_per_k=iterations and [n - w for n, w in zip(iterations, warm_iterations)])
+                iterations_per_k=iterations and [n - w for n, w in zip(iterations, warm_iterations)],
+                occupancy=timed and sum(timed.occupancy) / timed.slots, admissions=timed and timed.admissions)
 
 
 def _iterations_per_k(llm: LLM) -> list[int] | None:
