@@ -98,7 +98,8 @@ class CompletionOutput:
 class RequestMetrics:
     """vLLM's request timing (`vllm.sequence.RequestMetrics`), in seconds since the epoch (time.time()), as the
     wave runner can measure it: a wave's tokens come back together when its one jitted call returns, so the
-    host first sees any token of a request when its whole wave is done.
+    host first sees any token of a request when its whole wave is done. Under continuous admission every request
+    of a generate() call is in the call's one "wave": they share its times.
 
     arrival_time: when generate() / chat() received the request. first_scheduled_time: when the first wave
     running one of its n samples started. first_token_time: when that wave returned. last_token_time and

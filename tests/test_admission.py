@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from eagle_heads import write_head
 
-from specjax import LLM, SamplingParams
+from specjax import LLM, SamplingParams, make_generate_fn
 
 K = 3
 MAX_LEN = 64
@@ -154,3 +156,25 @@ def test_waves_are_kept_when_the_requests_fit_the_slots(waves_llm, tiny_dir, def
 def test_continuous_admission_must_be_a_bool(tiny_dir, default_model_dir):
     with pytest.raises(TypeError, match="continuous_admission"):
         _llm(tiny_dir, default_model_dir, continuous_admission="yes")
+
+
+def test_the_functional_core_admits_rows_into_slots_inside_the_users_jit(tiny_dir, default_model_dir, workload):
+    llm = _llm(tiny_dir, default_model_dir, {"method": "ngram", "num_speculative_tokens": K,
+                                             "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    ids = [p["prompt_token_ids"] for p in workload[0][:20]]
+    P = max(map(len, ids))
+    tokens = jnp.asarray([i + [0] * (P - len(i)) for i in ids], jnp.int32)
+    lengths = jnp.asarray([len(i) for i in ids], jnp.int32)
+    sampled = SamplingParams(temperature=0.9, max_tokens=10, ignore_eos=True)
+    whole, admitted = (jax.jit(make_generate_fn(llm, sampled, slots=slots)) for slots in (None, 3))
+    rngs = jax.random.split(jax.random.key(0), 2)
+    a = jax.vmap(whole, in_axes=(None, None, None, None, 0))(llm.params, None, tokens, lengths, rngs)
+    b = jax.vmap(admitted, in_axes=(None, None, None, None, 0))(llm.params, None, tokens, lengths, rngs)
+    np.testing.assert_array_equal(a[1], np.broadcast_to(lengths + 10, (2, 20)))
+    np.testing.assert_array_equal(b[1], a[1])
+    for s in range(2):
+        for row in range(20):
+            np.testing.assert_array_equal(b[0][s, row, :int(a[1][s, row])], a[0][s, row, :int(a[1][s, row])])
+    np.testing.assert_array_equal(b[2]["num_drafts"], a[2]["num_drafts"])
+    with pytest.raises(ValueError, match="slots must be >= 1"):
+        make_generate_fn(llm, sampled, slots=0)

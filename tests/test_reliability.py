@@ -4,6 +4,7 @@ prompt_logprobs and logprob ranks against transformers; RequestOutput.metrics; e
 Llama with the default model's tokenizer and vocabulary runs every request in seconds."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import warnings
@@ -198,9 +199,16 @@ def test_each_request_gets_only_the_top_logprobs_it_asked_for(llm):
     assert {len(e) for e in outs[1].outputs[0].logprobs} <= {5, 6}
 
 
-def test_request_metrics_time_the_waves(llm):
+@pytest.fixture
+def waves_llm(llm, monkeypatch):
+    """The module's engine running more requests than slots in waves."""
+    monkeypatch.setattr(llm, "config", dataclasses.replace(llm.config, continuous_admission=False))
+    return llm
+
+
+def test_request_metrics_time_the_waves(waves_llm):
     """max_num_seqs=2: three requests run in two waves, the third waiting for the first."""
-    outs = llm.generate(["one", "two", "three"], GREEDY, use_tqdm=False)
+    outs = waves_llm.generate(["one", "two", "three"], GREEDY, use_tqdm=False)
     for out in outs:
         m = out.metrics
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time == m.finished_time
@@ -211,11 +219,22 @@ def test_request_metrics_time_the_waves(llm):
     assert outs[0].metrics.finished_time == outs[1].metrics.finished_time
 
 
-def test_request_metrics_of_samples_in_several_waves(llm):
-    out = llm.generate("one", SamplingParams(n=3, max_tokens=2), use_tqdm=False)[0]
+def test_request_metrics_of_samples_in_several_waves(waves_llm):
+    out = waves_llm.generate("one", SamplingParams(n=3, max_tokens=2), use_tqdm=False)[0]
     m = out.metrics
     assert m.first_token_time < m.finished_time   # the third sample ran in a second wave
     assert m.model_execute_time <= m.finished_time - m.first_scheduled_time + 1e-6
+
+
+def test_request_metrics_under_admission_time_the_one_call(llm):
+    """Three requests through two slots admitted in one call: each is timed by that call."""
+    outs = llm.generate(["one", "two", "three"], GREEDY, use_tqdm=False)
+    assert llm.admission_trace()[-1].requests == 3
+    spans = {(o.metrics.first_scheduled_time, o.metrics.first_token_time, o.metrics.finished_time) for o in outs}
+    assert len(spans) == 1
+    m = outs[0].metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time == m.finished_time
+    assert 0 < m.model_execute_time <= m.finished_time - m.first_scheduled_time + 1e-6
 
 
 def test_enforce_eager_reaches_the_loops_compilation(model_dir, llm, monkeypatch):
