@@ -220,7 +220,8 @@ class LLM:
         call under continuous admission when the requests outnumber the slots on one device (unless
         continuous_admission=False), else a wave each (streaming, and a mesh, run waves)."""
         if self.config.continuous_admission and len(requests) > self.config.max_num_seqs and self.mesh is None:
-            calls = [(0, requests, self._runner.run_queue)]
+            calls = [(start, queue, self._runner.run_queue)
+                     for start, queue in _numbered(self._runner.queues(requests))]
         else:
             calls = [(start, wave, self._runner.run_wave) for start, wave in self._waves(requests)]
         for start, batch, run in calls:
@@ -230,10 +231,7 @@ class LLM:
 
     def _waves(self, requests: list[Request]) -> Iterator[tuple[int, list[Request]]]:
         """The runner's waves, each with the index of its first request."""
-        start = 0
-        for wave in self._runner.waves(requests):
-            yield start, wave
-            start += len(wave)
+        return _numbered(self._runner.waves(requests))
 
     def _request_output(self, index: int, prompt, prompt_token_ids: list[int], finished: list[_Finished],
                         arrival: float) -> RequestOutput:
@@ -448,3 +446,11 @@ def _prompt_text(prompt) -> str | None:
     if isinstance(prompt, str):
         return prompt
     return prompt.get("prompt") if isinstance(prompt, dict) else None
+
+
+def _numbered(groups: Iterator[list[Request]]) -> Iterator[tuple[int, list[Request]]]:
+    """Consecutive groups of requests, each with the index of its first request."""
+    start = 0
+    for group in groups:
+        yield start, group
+        start += len(group)

@@ -14,6 +14,7 @@ import pytest
 from eagle_heads import write_head
 
 from specjax import LLM, SamplingParams, make_generate_fn
+from specjax.engine import runner
 
 K = 3
 MAX_LEN = 64
@@ -178,3 +179,13 @@ def test_the_functional_core_admits_rows_into_slots_inside_the_users_jit(tiny_di
     np.testing.assert_array_equal(b[2]["num_drafts"], a[2]["num_drafts"])
     with pytest.raises(ValueError, match="slots must be >= 1"):
         make_generate_fn(llm, sampled, slots=0)
+
+
+def test_a_queue_too_large_for_one_call_runs_in_several(tiny_dir, default_model_dir, workload, plain_tokens,
+                                                        monkeypatch):
+    """The results of a call are bounded (runner.QUEUE_RESULT_BYTES): past it the requests go in several
+    admitted calls, each more than the slots, the outputs unchanged."""
+    monkeypatch.setattr(runner, "QUEUE_RESULT_BYTES", 30 * (MAX_LEN + 1) * runner.RECORD_BYTES)
+    llm = _llm(tiny_dir, default_model_dir)
+    assert _tokens(llm.generate(*workload, use_tqdm=False)) == plain_tokens
+    assert [t.requests for t in llm.admission_trace()] == [30, 30, 30, 14]

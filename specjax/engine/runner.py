@@ -27,6 +27,12 @@ from specjax.engine.state import LoopState, RowParams, TokenLogprobs
 from specjax.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams, to_row_arrays
 
 
+# A call under continuous admission holds at most this many bytes of its requests' results, RECORD_BYTES per
+# slot of a row's buffer and top entry (a token and its logprob, rank and top ids and logprobs, rounded up).
+QUEUE_RESULT_BYTES = 1 << 30
+RECORD_BYTES = 24
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     prompt_token_ids: list[int]
@@ -119,6 +125,17 @@ class WaveRunner:
 
         state = run(self._policy_inputs(run, key, rows, lengths, cache_len), rows)
         return self._results(state, wave)
+
+    def queues(self, requests: Sequence[Request]) -> Iterator[list[Request]]:
+        """The requests in calls of continuous admission: as many per call as QUEUE_RESULT_BYTES of results
+        hold at max_model_len (a call keeps every request's tokens and records on the device until it
+        returns), and more than the slots."""
+        n_top = max(_num_top(r.params.logprobs, self.vocab_size) + _num_top(r.params.prompt_logprobs,
+                                                                             self.vocab_size) for r in requests)
+        per_request = (self.config.max_model_len + spare_slots(self.proposer) + 1) * RECORD_BYTES * (1 + n_top)
+        step = max(self.config.max_num_seqs + 1, QUEUE_RESULT_BYTES // per_request)
+        for i in range(0, len(requests), step):
+            yield list(requests[i:i + step])
 
     def run_queue(self, requests: Sequence[Request]) -> list[RowResult]:
         """More requests than slots in one jitted call: each slot takes the next request when its row is done
