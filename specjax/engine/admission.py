@@ -93,10 +93,11 @@ def build_admitting(target_graph: nnx.GraphDef, proposer: Proposer, spec: loop.L
             into = jnp.where(jnp.arange(width) < take, free_first, B)   # B: out of range, dropped
             fresh, rows = prefill(a.next + jnp.arange(width))
             fresh = dataclasses.replace(fresh, done_at=jnp.full_like(fresh.done_at, a.loop.steps))
-            state = _with_rows(a.loop, fresh, into)
+            state = _with_rows(dataclasses.replace(a.loop, steps=None, adapt=None),
+                               dataclasses.replace(fresh, steps=None, adapt=None), into)
             return dataclasses.replace(
                 _hand_on(a, into), loop=dataclasses.replace(state, steps=a.loop.steps, adapt=a.loop.adapt),
-                rows=_put(a.rows, rows, into), request=a.request.at[into].set(a.next + jnp.arange(width),
+                rows=_with_rows(a.rows, rows, into), request=a.request.at[into].set(a.next + jnp.arange(width),
                                                                                 mode="drop"),
                 admitted_at=a.admitted_at.at[into].set(a.loop.steps, mode="drop"),
                 admissions=a.admissions + 1, next=a.next + take)
@@ -135,22 +136,16 @@ def _hand_on(a: Admission, slots: jax.Array) -> Admission:
                                                                                 mode="drop"))
 
 
-def _with_rows(state: LoopState, fresh: LoopState, slots: jax.Array) -> LoopState:
-    """state with its rows `slots` (out of range: skipped) replaced by fresh's rows, caches and proposer state
-    included. Caches keep the batch on axis 1 (models.family.Cache), everything else on axis 0."""
-    per_row = dataclasses.replace(state, steps=None, adapt=None)
-    new = dataclasses.replace(fresh, steps=None, adapt=None)
-    return jax.tree.map(lambda old, row: _put_rows(old, row, slots), per_row, new, is_leaf=_is_cache)
+def _with_rows(tree: Any, fresh: Any, slots: jax.Array) -> Any:
+    """A pytree of per-row arrays (a loop state without its scalars, row settings) with its rows `slots` (out
+    of range: skipped) replaced by fresh's rows, caches and proposer state included. Caches keep the batch on
+    axis 1 (models.family.Cache), everything else on axis 0."""
+    def put(old: Any, new: Any) -> Any:
+        if _is_cache(old):
+            return jax.tree.map(lambda o, n: o.at[:, slots].set(n, mode="drop"), old, new)
+        return old.at[slots].set(new, mode="drop")
 
-
-def _put_rows(old: Any, new: Any, slots: jax.Array) -> Any:
-    if _is_cache(old):
-        return jax.tree.map(lambda o, n: o.at[:, slots].set(n, mode="drop"), old, new)
-    return old.at[slots].set(new, mode="drop")
-
-
-def _put(old: Any, new: Any, slots: jax.Array) -> Any:
-    return jax.tree.map(lambda o, n: o.at[slots].set(n, mode="drop"), old, new)
+    return jax.tree.map(put, tree, fresh, is_leaf=_is_cache)
 
 
 def _is_cache(node: Any) -> bool:
