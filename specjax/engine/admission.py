@@ -83,7 +83,7 @@ def build_admitting(target_graph: nnx.GraphDef, proposer: Proposer, spec: loop.L
                 return (waiting > 0) & (jnp.sum(s.done) >= due)
 
             state = loop.decode_rows(target, proposer, draft_state, a.loop, a.rows, spec, synthetic_rates,
-                                 pause=admission_due)
+                                     pause=admission_due)
             return dataclasses.replace(a, loop=state)
 
         def admit(a: Admission) -> Admission:
@@ -127,13 +127,12 @@ def _hand_on(a: Admission, slots: jax.Array) -> Admission:
     """The admission state with the rows in `slots` (B: none) copied to their requests' results, and their
     iterations counted as busy."""
     B = a.request.shape[0]
-    valid = slots < B
-    at = jnp.where(valid, a.request[jnp.minimum(slots, B - 1)], a.results.lengths.shape[0])
-    picked = jax.tree.map(lambda x: x[jnp.minimum(slots, B - 1)], _row_fields(a.loop))
+    rows = jnp.minimum(slots, B - 1)   # in range for the reads; the writes drop slot B
+    at = jnp.where(slots < B, a.request[rows], a.results.lengths.shape[0])
+    picked = jax.tree.map(lambda x: x[rows], _row_fields(a.loop))
     results = jax.tree.map(lambda kept, new: kept.at[at].set(new, mode="drop"), a.results, picked)
-    ran = a.loop.done_at - a.admitted_at
-    return dataclasses.replace(a, results=results, busy=a.busy.at[slots].add(ran[jnp.minimum(slots, B - 1)],
-                                                                                mode="drop"))
+    ran = (a.loop.done_at - a.admitted_at)[rows]
+    return dataclasses.replace(a, results=results, busy=a.busy.at[slots].add(ran, mode="drop"))
 
 
 def _with_rows(tree: Any, fresh: Any, slots: jax.Array) -> Any:

@@ -57,8 +57,8 @@ def build_generate(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpe
                  synthetic_rates: jax.Array | None = None, policy: PolicyInputs | None = None):
         target = nnx.merge(target_graph, target_state)
         with exact_matmuls(target.embed[...].dtype):
-            state = prefill_rows(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec,
-                             policy)
+            state = prefill_rows(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len,
+                                 spec, policy)
             return decode_rows(target, proposer, draft_state, state, rows, spec, synthetic_rates)
 
     return generate if mesh is None else sharded_generate(generate, mesh)
@@ -77,8 +77,8 @@ def build_stream(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpec)
                 policy: PolicyInputs | None = None):
         target = nnx.merge(target_graph, target_state)
         with exact_matmuls(target.embed[...].dtype):
-            return prefill_rows(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec,
-                            policy)
+            return prefill_rows(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len,
+                                spec, policy)
 
     def advance(target_state, draft_state, state: LoopState, rows: RowParams, max_steps: jax.Array,
                 synthetic_rates: jax.Array | None = None):
@@ -89,9 +89,9 @@ def build_stream(target_graph: nnx.GraphDef, proposer: Proposer, spec: LoopSpec)
     return prefill, advance
 
 
-def decode_rows(target, proposer, draft_state, state: LoopState, rows: RowParams, spec: LoopSpec, synthetic_rates,
-            max_steps: jax.Array | None = None,
-            pause: Callable[[LoopState], jax.Array] | None = None) -> LoopState:
+def decode_rows(target, proposer, draft_state, state: LoopState, rows: RowParams, spec: LoopSpec,
+                synthetic_rates, max_steps: jax.Array | None = None,
+                pause: Callable[[LoopState], jax.Array] | None = None) -> LoopState:
     """The step repeated while a row is running, (when max_steps is given) at most max_steps times, and (when
     pause is given) until pause(state) holds."""
     stop_at = None if max_steps is None else state.steps + max_steps
@@ -152,7 +152,7 @@ def exact_matmuls(dtype) -> contextlib.AbstractContextManager:
 
 
 def prefill_rows(target, proposer, draft_state, prompt_tokens, prompt_lengths, rows, cache_len, spec,
-             policy: PolicyInputs | None, record_len: int | None = None) -> LoopState:
+                 policy: PolicyInputs | None, record_len: int | None = None) -> LoopState:
     """The rows' prompts run into fresh caches and their first tokens committed. record_len: iterations an
     adaptive loop's record holds (cache_len by default, more than a wave runs)."""
     B, P = prompt_tokens.shape
