@@ -28,7 +28,7 @@ from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2
 from transformers.models.deepseek_v3 import configuration_deepseek_v3
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
-from specjax.models import fp8, mla, moe, rope
+from specjax.models import fp8, mla, moe, random_init, rope
 
 REL_TOL = 1e-5
 MLA_VARIANTS = ("v3", "v3_dense3_no_q_lora", "v3_one_group_rotate_half", "v2_lite", "v2_group_limited")
@@ -466,8 +466,8 @@ def test_fp8_matmul_matches_numpy(shape, block, tokens):
 
 
 def test_fp8_experts_are_gathered_as_bytes_never_widened_whole():
-    """XLA widens a float8 gather's whole operand to a wider float before gathering (on the H200, 42 GiB for one
-    DeepSeek-V3 layer's experts at batch 1): the taken slices must be gathered first, then dequantized."""
+    """XLA's CPU backend widens a float8 gather's whole operand to float16 before gathering: the taken slices must
+    be gathered first, then dequantized."""
     E, R, C, block = 16, 256, 128, (128, 128)
     rng = np.random.default_rng(0)
     stack = jnp.asarray(rng.standard_normal((E, R, C)), jnp.float8_e4m3fn)
@@ -478,6 +478,22 @@ def test_fp8_experts_are_gathered_as_bytes_never_widened_whole():
     assert not re.findall(rf"\b(?:f16|bf16|f32)\[{E},{R},{C}\]", hlo), "the whole stack is widened"
     want = [np.asarray(fp8.dequantize_blocks(stack[e], scale[e], block)) for e in (3, 9)]
     np.testing.assert_array_equal(np.asarray(take(stack, scale, ids))[0], np.stack(want))
+
+
+def test_random_weights_larger_than_a_slice_are_drawn_in_slices(monkeypatch):
+    """Benchmarks' random weights: a leaf over SLICE_VALUES values is drawn a few slices at a time, so its program
+    holds no float32 copy of the whole leaf (DeepSeek-V3's FP8 expert stacks: 42 GiB on the H200); each slice is
+    its own draw, scaled as asked; a small leaf is the plain draw."""
+    monkeypatch.setattr(random_init, "SLICE_VALUES", 1 << 12)
+    shape, key = (3, 16, 64, 32), jax.random.key(5)              # 96K values, 32 rows of 2**11 per slice batch
+    program = jax.jit(random_init.normal, static_argnums=(1, 2, 3)).lower(key, shape, jnp.float8_e4m3fn, 1.0)
+    temp = program.compile().memory_analysis().temp_size_in_bytes
+    assert temp < np.prod(shape), temp                          # a quarter of the leaf in float32
+    big = np.asarray(random_init.normal(key, shape, jnp.float8_e4m3fn, 1.0)).astype(np.float32)
+    assert big.shape == shape and abs(big.std() - 1.0) < 0.05 and abs(big.mean()) < 0.05
+    assert len({row.tobytes() for row in big.reshape(-1, 64 * 32)}) == 3 * 16
+    small = random_init.normal(key, (8, 4), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(small), np.asarray(0.02 * jax.random.normal(key, (8, 4), jnp.float32)))
 
 
 def test_fp8_copy_of_a_checkpoint(tmp_path):

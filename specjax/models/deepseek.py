@@ -23,6 +23,7 @@ from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.tree_mask import TreeMask
 from specjax.kernels.projection_reference import rms_norm
 from specjax.models.family import ForwardAux, default_unroll, module_from_params
+from specjax.models import random_init
 from specjax.models.fp8 import dequantize_blocks
 from specjax.models.mla import LatentCache, mla_attention, split_kv_b
 from specjax.models.moe import SCORING_FUNCS, TOPK_METHODS, Routing, moe, splits_shared, swiglu_mlp
@@ -347,8 +348,7 @@ def init_leaf(path: str, spec: LeafSpec, dtype, key: jax.Array) -> jax.Array:
         return jnp.zeros(spec.shape, leaf_dtype)
     if name.endswith("_scale"):
         return jnp.full(spec.shape, 0.02, leaf_dtype)
-    scale = 1.0 if spec.dtype == "float8_e4m3fn" else 0.02
-    return (scale * jax.random.normal(key, spec.shape, jnp.float32)).astype(leaf_dtype)
+    return random_init.normal(key, tuple(spec.shape), leaf_dtype, 1.0 if spec.dtype == "float8_e4m3fn" else 0.02)
 
 
 def _as_nnx(tree: Any) -> Any:

@@ -29,7 +29,7 @@ eagle_loader reads them into the canonical names of `head_weight_map`):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,7 @@ from specjax.kernels.tree_mask import TreeMask
 from specjax.models.family import Frozen
 from specjax.models.kv_cache import KVCache, write_layer
 from specjax.models.layers import decoder_layer, rms_norm
+from specjax.models.random_init import normal_param, ones_param
 from specjax.models.rope import rotary
 from specjax.models.llama import LlamaConfig
 from specjax.models.weight_map import LeafSpec, fused
@@ -192,14 +193,6 @@ def _layer_map(cfg: EagleConfig, i: int) -> dict[str, LeafSpec]:
     return specs
 
 
-def _init(rngs: nnx.Rngs, shape: Sequence[int], dtype) -> nnx.Param:
-    return nnx.Param((0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
-
-
-def _ones(shape: Sequence[int], dtype) -> nnx.Param:
-    return nnx.Param(jnp.ones(shape, dtype))
-
-
 class HeadLayer(nnx.Module):
     """One Llama decoder layer whose q/k/v read `in_features` (2H for EAGLE-3's first layer)."""
 
@@ -208,15 +201,15 @@ class HeadLayer(nnx.Module):
         H, I = cfg.hidden_size, cfg.intermediate_size
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         if input_norm:
-            self.attn_norm = _ones((H,), dtype)
+            self.attn_norm = ones_param((H,), dtype)
         if hidden_norm:
-            self.hidden_norm = _ones((H,), dtype)
-        self.w_qkv = _init(rngs, (in_features, q + 2 * kv), dtype)
+            self.hidden_norm = ones_param((H,), dtype)
+        self.w_qkv = normal_param(rngs, (in_features, q + 2 * kv), dtype)
         if cfg.attention_bias:
-            self.b_qkv = _init(rngs, (q + 2 * kv,), dtype)
-        self.wo = _init(rngs, (q, H), dtype)
-        self.mlp_norm = _ones((H,), dtype)
-        self.w_gate_up, self.w_down = _init(rngs, (H, 2 * I), dtype), _init(rngs, (I, H), dtype)
+            self.b_qkv = normal_param(rngs, (q + 2 * kv,), dtype)
+        self.wo = normal_param(rngs, (q, H), dtype)
+        self.mlp_norm = ones_param((H,), dtype)
+        self.w_gate_up, self.w_down = normal_param(rngs, (H, 2 * I), dtype), normal_param(rngs, (I, H), dtype)
 
     def arrays(self) -> dict[str, jax.Array]:
         return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
@@ -231,18 +224,18 @@ class EagleHead(nnx.Module):
         self.kernels = kernels
         layers_cfg, H, V = cfg.layers, cfg.hidden_size, cfg.layers.vocab_size
         eagle3 = cfg.method == "eagle3"
-        self.fc = _init(rngs, (cfg.fc_in_features, H), dtype)
+        self.fc = normal_param(rngs, (cfg.fc_in_features, H), dtype)
         if cfg.fc_bias:
             self.fc_bias = nnx.Param(jnp.zeros((H,), dtype))
-        self.embed = Frozen(_init(rngs, (V, H), dtype)[...])
+        self.embed = Frozen(normal_param(rngs, (V, H), dtype)[...])
         self.layers = nnx.List([
             HeadLayer(layers_cfg, 2 * H if eagle3 and i == 0 else H, input_norm=eagle3 or i > 0,
                       hidden_norm=eagle3 and i == 0, dtype=dtype, rngs=rngs)
             for i in range(layers_cfg.num_layers)])
         if eagle3:
-            self.norm = _ones((H,), dtype)
+            self.norm = ones_param((H,), dtype)
         if cfg.lm_head_source == "head":
-            self.lm_head = _init(rngs, (H, cfg.draft_vocab_size), dtype)
+            self.lm_head = normal_param(rngs, (H, cfg.draft_vocab_size), dtype)
         else:
             shape = (H, V) if cfg.lm_head_source == "target" else (V, H)
             self.lm_head = Frozen(jnp.zeros(shape, dtype))

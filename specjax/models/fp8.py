@@ -88,9 +88,9 @@ def dequantize_stack(weights: Mapping[str, jax.Array], name: str, block: tuple[i
 
 
 def take(w: jax.Array, ids: jax.Array) -> jax.Array:
-    """w[ids] on the leading axis, reading only those slices. A float8 gather goes through its bytes: XLA
-    converts a float8 gather's whole operand to a wider float first (on the GPU, a 42 GiB buffer for DeepSeek-V3's
-    experts of one layer)."""
+    """w[ids] on the leading axis, reading only those slices. A float8 gather goes through its bytes: XLA's CPU
+    backend converts a float8 gather's whole operand to float16 first (the GPU's did not, compiled for
+    DeepSeek-V3's expert stacks)."""
     if not (jnp.issubdtype(w.dtype, jnp.floating) and w.dtype.itemsize == 1):   # any float8 format
         return w[ids]
     return lax.bitcast_convert_type(lax.bitcast_convert_type(w, jnp.uint8)[ids], w.dtype)

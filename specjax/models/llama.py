@@ -11,7 +11,7 @@ cache and attends over it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,7 @@ from specjax.kernels.tree_mask import TreeMask
 from specjax.models.family import ForwardAux, default_unroll, module_from_params
 from specjax.models.kv_cache import KVCache, write_layer
 from specjax.models.layers import decoder_layer, rms_norm
+from specjax.models.random_init import normal_param, ones_param
 from specjax.models.rope import rotary
 from specjax.models.weight_map import LeafSpec, fused
 from specjax.parallel.mesh import shards_kv_heads
@@ -269,14 +270,6 @@ def stack_layers(params: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------------- module
 
-def _init(rngs: nnx.Rngs, shape: Sequence[int], dtype) -> nnx.Param:
-    return nnx.Param((0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
-
-
-def _ones(shape: Sequence[int], dtype) -> nnx.Param:
-    return nnx.Param(jnp.ones(shape, dtype))
-
-
 class DecoderWeights(nnx.Module):
     """Decoder layer weights in the weight map's layout. `lead=(L,)` stacks every leaf over L layers on axis
     0; `lead=()` holds one layer."""
@@ -286,10 +279,10 @@ class DecoderWeights(nnx.Module):
         q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
 
         def init(*shape):
-            return _init(rngs, lead + shape, dtype)
+            return normal_param(rngs, lead + shape, dtype)
 
         def ones(*shape):
-            return _ones(lead + shape, dtype)
+            return ones_param(lead + shape, dtype)
 
         self.attn_norm, self.mlp_norm = ones(H), ones(H)
         self.w_qkv, self.wo = init(H, q + 2 * kv), init(q, H)
@@ -311,14 +304,14 @@ class LlamaForCausalLM(nnx.Module):
         self.cfg = cfg
         self.kernels = kernels
         self.unroll_layers = default_unroll() if unroll_layers is None else unroll_layers
-        self.embed = _init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
+        self.embed = normal_param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
         if self.unroll_layers:
             self.layers = nnx.List([DecoderWeights(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
         else:
             self.layers = DecoderWeights(cfg, dtype, rngs, lead=(cfg.num_layers,))
-        self.final_norm = _ones((cfg.hidden_size,), dtype)
+        self.final_norm = ones_param((cfg.hidden_size,), dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = _init(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+            self.lm_head = normal_param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
     def __call__(self, tokens: jax.Array, start: jax.Array, cache: KVCache,
                  capture_layers: tuple[int, ...] = (), fresh: bool = False,
