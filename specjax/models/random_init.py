@@ -1,8 +1,8 @@
 """Random weights for benchmarks and tests, shared by the families.
 
-A large leaf is drawn in slices inside one compiled program, so that no float32 copy of a
-whole narrow leaf ever exists: drawn whole, DeepSeek-V3's FP8 expert stacks of three layers asked the H200 for
-42 GiB of float32 (and the CPU's program for 168 GiB of temporaries)."""
+A large leaf is drawn in slices inside one compiled program, so that no float32 copy of a whole narrow leaf ever
+exists: drawn whole, DeepSeek-V3's FP8 expert stacks of three layers asked the H200 for 42 GiB of float32 (and the
+CPU's program for 168 GiB of temporaries)."""
 from __future__ import annotations
 
 import functools
@@ -33,8 +33,8 @@ def _draw(key: jax.Array, shape: tuple[int, ...], dtype, scale: float) -> jax.Ar
 def _sliced(key: jax.Array, shape: tuple[int, ...], dtype, scale: float) -> jax.Array:
     lead = next(n for n in range(1, len(shape) + 1) if math.prod(shape[n:]) <= SLICE_VALUES)
     rows, row = math.prod(shape[:lead]), shape[lead:]
-    keys = jax.random.split(key, rows)
-    slices = lax.map(lambda k: _draw(k, row, dtype, scale), keys, batch_size=max(1, SLICE_VALUES // max(1, math.prod(row))))
+    per_batch = max(1, SLICE_VALUES // math.prod(row))
+    slices = lax.map(lambda k: _draw(k, row, dtype, scale), jax.random.split(key, rows), batch_size=per_batch)
     return slices.reshape(shape)
 
 
