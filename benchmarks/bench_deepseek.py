@@ -1,7 +1,8 @@
 """DeepSeek targets with random weights: the decode step of DeepSeek-V3 at full width with 4 layers (1 dense +
 3 MoE) in FP8 against its floor, DeepSeek-V2-Lite's shape (27 layers, 64 routed + 2 shared experts) in bf16 end
-to end, and V2-Lite with one MTP layer drafting at synthetic acceptance lengths against the ideal
-AL / (t_verify + k t_mtp).
+to end, both with the grouped matmul kernel on and off, and V2-Lite with one MTP layer drafting at synthetic
+acceptance lengths against the ideal AL / (t_verify + k t_mtp). Steps are timed on rows of distinct random
+tokens, so that the rows route to different experts (rows of one token all choose the same ones).
 
 The floor counts the bytes a step must read: every weight except the routed experts, the distinct routed experts
 the batch selects (counted by routing random hidden states through each MoE layer's own router) and the latent
@@ -25,6 +26,7 @@ from benchmarks.bench_engine import (SMOKE_SIZES, Sizes, acceptance_sweep, head_
                                      subject)
 from benchmarks.common import copy_bandwidth, print_table, write_json
 from specjax.engine.proposers.eagle import HeadProposer
+from specjax.kernels.policy import KernelPolicy
 from specjax.models.deepseek import FAMILY, DeepseekConfig
 from specjax.models.moe import route
 from specjax.models.mtp import MtpConfig, MtpHead
@@ -110,35 +112,48 @@ def stepped_subject(cfg: DeepseekConfig):
     return leaves(state), subject(cfg, graph, state)
 
 
+def without_grouped_kernel(cfg: DeepseekConfig, target):
+    """The same weights with the experts and FP8 projections compiled by XLA (the grouped matmul kernel off)."""
+    policy = KernelPolicy(grouped_matmul_kernel=False)
+    graph = nnx.graphdef(nnx.eval_shape(lambda: FAMILY.random(cfg, dtype=jnp.bfloat16, kernels=policy)))
+    return subject(cfg, graph, target.state)
+
+
 def v3_step_suite(bandwidth: float, smoke: bool) -> list[dict]:
+    """Decode steps of rows of distinct random tokens (so that rows route apart), the grouped matmul kernel on and
+    off."""
     cfg = config(V3_4_LAYERS, smoke)
     weights, target = stepped_subject(cfg)
+    subjects = {"kernel": target, "xla": without_grouped_kernel(cfg, target)}
     rows = []
     for B in (1,) if smoke else V3_BATCHES:
         distinct = distinct_experts(weights, cfg, B)
         floor = floor_bytes(weights, cfg, distinct, B, 1, CONTEXT) / bandwidth
-        t = step_time(target, B, 1, CONTEXT)
-        rows.append(dict(shape="v3_4layers_fp8", batch=B, context=CONTEXT, distinct_experts=distinct,
-                         ms=1e3 * t, floor_ms=1e3 * floor, roofline_frac=floor / t,
-                         weights_GB=sum(leaf.nbytes for leaf in weights.values()) / 1e9))
-        print(rows[-1], flush=True)
+        for experts, model in subjects.items():
+            t = step_time(model, B, 1, CONTEXT, distinct_tokens=True)
+            rows.append(dict(shape="v3_4layers_fp8", batch=B, experts=experts, context=CONTEXT,
+                             distinct_experts=distinct, ms=1e3 * t, floor_ms=1e3 * floor, roofline_frac=floor / t,
+                             weights_GB=sum(leaf.nbytes for leaf in weights.values()) / 1e9))
+            print(rows[-1], flush=True)
     return rows
 
 
 def v2_e2e_suite(bandwidth: float, smoke: bool, sizes_run: Sizes) -> list[dict]:
     cfg = config(V2_LITE, smoke)
     weights, target = stepped_subject(cfg)
+    subjects = {"kernel": target, "xla": without_grouped_kernel(cfg, target)}
     rows = []
     for B in (1,) if smoke else V2_BATCHES:
         distinct = distinct_experts(weights, cfg, B)
         context = sizes_run.prompt_len + sizes_run.new_tokens // 2
         floor = floor_bytes(weights, cfg, distinct, B, 1, context) / bandwidth
-        first, steady, steps = run_plain(target, B, sizes_run.prompt_len, sizes_run.new_tokens)
-        t_step = step_time(target, B, 1, context)
-        rows.append(dict(shape="v2_lite_bf16", batch=B, new_tokens=sizes_run.new_tokens,
-                         tok_s=B * sizes_run.new_tokens / steady, step_ms=1e3 * t_step, floor_ms=1e3 * floor,
-                         roofline_frac=floor / t_step, distinct_experts=distinct, compile_s=first - steady))
-        print(rows[-1], flush=True)
+        for experts, model in subjects.items():
+            first, steady, steps = run_plain(model, B, sizes_run.prompt_len, sizes_run.new_tokens)
+            t_step = step_time(model, B, 1, context, distinct_tokens=True)
+            rows.append(dict(shape="v2_lite_bf16", batch=B, experts=experts, new_tokens=sizes_run.new_tokens,
+                             tok_s=B * sizes_run.new_tokens / steady, step_ms=1e3 * t_step, floor_ms=1e3 * floor,
+                             roofline_frac=floor / t_step, distinct_experts=distinct, compile_s=first - steady))
+            print(rows[-1], flush=True)
     return rows
 
 

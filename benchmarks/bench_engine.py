@@ -280,10 +280,13 @@ def empty_cache(model: Subject, B, slots):
     return jax.tree.map(lambda leaf, spec: jax.device_put(leaf, NamedSharding(model.mesh, spec)), cache, specs)
 
 
-def step_time(model: Subject, B, T, context, tree: TreeMask | None = None):
-    """Seconds of one pass of model.step over T tokens per row at `context` (a draft tree's, given its mask)."""
+def step_time(model: Subject, B, T, context, tree: TreeMask | None = None, distinct_tokens: bool = False):
+    """Seconds of one pass of model.step over T tokens per row at `context` (a draft tree's, given its mask); the
+    tokens all 1, or drawn at random (`distinct_tokens`: rows route to different MoE experts)."""
     holder = [empty_cache(model, B, context + T + 16)]
-    tokens, start = jnp.ones((B, T), jnp.int32), jnp.full((B,), context, jnp.int32)
+    tokens = (jax.random.randint(jax.random.key(B * T), (B, T), 0, model.cfg.vocab_size, jnp.int32)
+              if distinct_tokens else jnp.ones((B, T), jnp.int32))
+    start = jnp.full((B,), context, jnp.int32)
 
     def run():
         for _ in range(STEPS_PER_TIMING):

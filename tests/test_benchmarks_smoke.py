@@ -22,7 +22,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 LANES = (("bench_default_model", "bench_eagle", "bench_transformers", "bench_projection", "bench_deepseek",
           "bench_admission"),
-         ("bench_engine", "bench_tp", "bench_attention", "bench_prefill", "bench_sampling", "bench_stream"))
+         ("bench_engine", "bench_tp", "bench_attention", "bench_prefill", "bench_sampling", "bench_stream",
+          "bench_grouped_matmul"))
 SCRIPTS = sorted(name for lane in LANES for name in lane)
 REAL_MODEL = ("bench_default_model", "bench_eagle")
 # Extra environment per script: bench_tp splits its model over two (simulated) CPU devices.
@@ -50,9 +51,10 @@ EXPECTED_ROWS = {
                        "bench_sampling": ("setting", ["greedy", "temperature", "top_k50", "top_p0.9", "min_p0.1"])},
     "bench_engine": {f"bench_engine_{suite}_auto": expected for suite, expected in ENGINE_SUITES.items()},
     "bench_tp": {"bench_tp": ("tp", [1, 2])},
-    "bench_deepseek": {"bench_deepseek_v3_step": ("batch", [1]), "bench_deepseek_v2_e2e": ("batch", [1]),
+    "bench_deepseek": {"bench_deepseek_v3_step": ("experts", ["kernel", "xla"]), "bench_deepseek_v2_e2e": ("experts", ["kernel", "xla"]),
                        "bench_deepseek_mtp": ("al", [1.5])},
     "bench_stream": {"bench_stream": ("mode", ["generate", "generate_stream"])},
+    "bench_grouped_matmul": {"bench_grouped_matmul": ("form", ["kernel", "xla gathered", "xla ragged_dot"] * 2)},
     "bench_prefill": {"bench_prefill": ("shape", ["8b", "smollm2"]), "bench_prefill_model": ("tokens", [16, 32])},
 }
 

@@ -28,6 +28,7 @@ from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2
 from transformers.models.deepseek_v3 import configuration_deepseek_v3
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
+from specjax.kernels.policy import KernelPolicy
 from specjax.models import fp8, mla, moe, random_init, rope
 
 REL_TOL = 1e-5
@@ -371,27 +372,33 @@ def test_routing_matches_transformers_router(variant):
         assert (np.sort(np.asarray(ungrouped), -1) != got_ids).any(axis=-1).mean() > 0.05
 
 
-@functools.partial(jax.jit, static_argnames=("routing", "forms"))
-def moe_in_forms(x, weights, routing, forms):
-    """moe.moe in each of `forms`, in one compiled program."""
-    return [moe.moe(x, weights, routing, form=form) for form in forms]
+@functools.partial(jax.jit, static_argnames=("routing", "policies"))
+def moe_in_forms(x, weights, routing, policies):
+    """moe.moe under each kernel policy of `policies`, in one compiled program."""
+    return [moe.moe(x, weights, routing, kernels=policy) for policy in policies]
+
+
+def forms(*names, kernel=False):
+    """Kernel policies for these expert forms (the grouped one through the interpreted Pallas kernel too)."""
+    kernels = (KernelPolicy(moe_form="grouped", interpret=True),) if kernel else ()
+    return tuple(KernelPolicy(moe_form=name) for name in names) + kernels
 
 
 @pytest.mark.parametrize("variant", MOE_VARIANTS)
 def test_moe_block_matches_transformers_in_every_form(variant):
-    """Prefill-sized input (14 tokens, more slots than experts) in each explicit form; decode-sized (1 token) in
-    the auto form, which gathers there."""
+    """Prefill-sized input (14 tokens, more slots than experts) in each explicit form and through the grouped
+    kernel; decode-sized (1 token) in the auto form, which gathers there."""
     block, config = moe_block(variant)
     weights, routing = moe_weights(block, config), routing_of(config)
     rng = np.random.default_rng(4)
-    for shape, forms in [((2, 7, config.hidden_size), ("dense", "grouped", "gathered")),
-                         ((1, 1, config.hidden_size), ("auto",))]:
+    for shape, policies in [((2, 7, config.hidden_size), forms("dense", "grouped", "gathered", kernel=True)),
+                            ((1, 1, config.hidden_size), forms("auto"))]:
         x = rng.standard_normal(shape).astype(np.float32)
         with torch.no_grad():
             want = block(torch.from_numpy(x)).numpy()
-        for form, got in zip(forms, moe_in_forms(jnp.asarray(x), weights, routing, forms)):
+        for policy, got in zip(policies, moe_in_forms(jnp.asarray(x), weights, routing, policies)):
             assert got.shape == want.shape
-            assert relative_error(got, want) < REL_TOL, form
+            assert relative_error(got, want) < REL_TOL, policy
 
 
 def consumers(jaxpr, var) -> list:
@@ -465,6 +472,27 @@ def test_fp8_matmul_matches_numpy(shape, block, tokens):
     assert relative_error(got, want) < 1e-6
 
 
+@pytest.mark.parametrize("tokens", [(1,), (2, 5)])
+def test_fp8_linear_through_the_kernel_matches_fp8_matmul(tokens):
+    """Decode- and verify-sized FP8 projections under a kernel policy (the interpreted grouped matmul, one
+    group) equal fp8_matmul's blockwise products; from a block's rows of tokens on, fp8_matmul itself runs."""
+    block = (128, 128)
+    q, scale_inv = quantize_blocks_numpy(random_weight((200, 300)), block)
+    weights = {"w": jnp.asarray(q.T), "w_scale": jnp.asarray(scale_inv.T)}
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((*tokens, 300)), jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        want = fp8.fp8_matmul(x, weights["w"], weights["w_scale"], block)
+    got = fp8.linear(x, weights, "w", block, KernelPolicy(interpret=True))
+    assert got.shape == want.shape
+    assert relative_error(got, np.asarray(want, np.float64)) < 1e-6
+
+    def kernel_calls(rows):
+        linear = jax.make_jaxpr(lambda x: fp8.linear(x, weights, "w", block, KernelPolicy(interpret=True)))
+        return str(linear(jnp.zeros((rows, 300)))).count("pallas_call")
+
+    assert kernel_calls(x.size // 300) == 1 and kernel_calls(block[0]) == 0
+
+
 def test_fp8_experts_are_gathered_as_bytes_never_widened_whole():
     """XLA's CPU backend widens a float8 gather's whole operand to float16 before gathering: the taken slices must
     be gathered first, then dequantized."""
@@ -478,6 +506,27 @@ def test_fp8_experts_are_gathered_as_bytes_never_widened_whole():
     assert not re.findall(rf"\b(?:f16|bf16|f32)\[{E},{R},{C}\]", hlo), "the whole stack is widened"
     want = [np.asarray(fp8.dequantize_blocks(stack[e], scale[e], block)) for e in (3, 9)]
     np.testing.assert_array_equal(np.asarray(take(stack, scale, ids))[0], np.stack(want))
+
+
+def test_fp8_experts_through_the_grouped_kernel_match_the_dequantized_gathered_form():
+    """Routed FP8 experts in the auto form under a kernel policy (the interpreted Pallas kernel, FP8 codes read as
+    stored) against the gathered form over dequantized slices, at decode and at verify sizes."""
+    E, H, I, block = 8, 256, 128, (128, 128)
+    rng = np.random.default_rng(7)
+    experts = {}
+    for name, shape in (("we_gate", (H, I)), ("we_up", (H, I)), ("we_down", (I, H))):
+        quantized = [fp8.quantize_blocks(jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[0]), jnp.float32),
+                                         block) for _ in range(E)]
+        experts[name] = jnp.stack([q for q, _ in quantized])
+        experts[name + "_scale"] = jnp.stack([s for _, s in quantized])
+    for tokens in (1, 5):
+        x = jnp.asarray(rng.standard_normal((tokens, H)), jnp.float32)
+        ids = jnp.asarray(np.stack([rng.permutation(E)[:3] for _ in range(tokens)]), jnp.int32)
+        weights = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 3)), jnp.float32)
+        with jax.default_matmul_precision("highest"):
+            want = moe.routed_experts(x, ids, weights, experts, form="gathered", block=block)
+        got = moe.routed_experts(x, ids, weights, experts, block=block, kernels=KernelPolicy(interpret=True))
+        assert relative_error(got, np.asarray(want, np.float64)) < 1e-6
 
 
 def test_random_weights_larger_than_a_slice_are_drawn_in_slices(monkeypatch):

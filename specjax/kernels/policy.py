@@ -18,8 +18,9 @@ from specjax.parallel.mesh import current_layout
 
 Impl = Literal["auto", "reference", "triton"]
 IMPLS = ("auto", "reference", "triton")
-# Triton's Pallas backend needs Ampere (sm_80) or newer.
-_MIN_COMPUTE_CAPABILITY = 8
+# Triton's Pallas backend needs Ampere (sm_80) or newer; its float8 conversions Ada (sm_89) or newer.
+_MIN_COMPUTE_CAPABILITY = (8, 0)
+_MIN_FP8_COMPUTE_CAPABILITY = (8, 9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +42,11 @@ class KernelPolicy:
     # Multi-head latent attention (DeepSeek): decode and verify in the weight-absorbed form over the latent cache
     # (False: every cached row expanded per head, the form transformers computes; prefill always expands).
     mla_absorbed: bool = True
-    # MoE experts: "auto" (gathered slices at decode, grouped matmuls beyond), "dense", "grouped", "gathered".
+    # MoE experts: "auto" (the grouped matmul kernel where kernels run; elsewhere gathered slices at decode,
+    # grouped matmuls beyond), "dense", "grouped", "gathered".
     moe_form: str = "auto"
+    # The grouped matmul kernel for MoE experts and few-row FP8 projections where kernels run (False: XLA's).
+    grouped_matmul_kernel: bool = True
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
@@ -60,13 +64,24 @@ class KernelPolicy:
 
     def device_has_kernels(self) -> bool:
         """Whether the Pallas (Triton) kernels run on this policy's device: NVIDIA sm_80+."""
-        device = jax.devices()[0] if self.device is None else self.device
-        return has_kernels(device)
+        return has_kernels(self._device())
+
+    def _device(self) -> Any:
+        return jax.devices()[0] if self.device is None else self.device
 
     def use_projection_kernel(self, rows: int, weight_bytes: int) -> bool:
         mode = self.mode()
         small = rows <= self.projection_max_rows and weight_bytes <= self.projection_max_weight_bytes
         return mode == "triton" or (mode == "auto" and small)
+
+    def use_grouped_matmul_kernel(self, fp8: bool) -> bool:
+        """Whether a grouped matmul (MoE experts) runs the kernel: wherever kernels run (it reads only the
+        selected experts at any size), FP8 stacks on sm_89+ only."""
+        mode = self.mode()
+        if mode != "auto":
+            return mode == "triton"
+        fp8_ok = self.interpret or not fp8 or has_kernels(self._device(), _MIN_FP8_COMPUTE_CAPABILITY)
+        return self.grouped_matmul_kernel and fp8_ok
 
     def use_search(self, elements: int) -> bool:
         """Whether top-k / top-p over `elements` (batch x vocabulary) runs the radix search, not the sort."""
@@ -88,10 +103,12 @@ def _tensor_parallel() -> bool:
     return layout is not None and layout.mesh.size > 1
 
 
-def has_kernels(device: Any) -> bool:
-    """NVIDIA GPUs of compute capability 8.0+ run the Pallas (Triton) kernels; ROCm devices report a gfx
-    name as their capability, CPUs none."""
+def has_kernels(device: Any, minimum: tuple[int, int] = _MIN_COMPUTE_CAPABILITY) -> bool:
+    """NVIDIA GPUs of compute capability `minimum`+ (8.0 by default) run the Pallas (Triton) kernels; ROCm
+    devices report a gfx name as their capability, CPUs none."""
     if device.platform != "gpu":
         return False
-    major = str(getattr(device, "compute_capability", "")).split(".")[0]
-    return major.isdigit() and int(major) >= _MIN_COMPUTE_CAPABILITY
+    parts = str(getattr(device, "compute_capability", "")).split(".")
+    if not all(part.isdigit() for part in parts) or not parts[0]:
+        return False
+    return tuple(int(part) for part in parts + ["0"])[:2] >= minimum

@@ -450,12 +450,13 @@ def decoder_layer(h: jax.Array, latent: jax.Array, w: Mapping[str, jax.Array], i
                     max_position_embeddings=cfg.max_position_embeddings)
     attn, latent = mla_attention(rms_norm(h, w["attn_norm"], cfg.rms_norm_eps), w, latent, index, start,
                                  rotate=rotate, scale=yarn_softmax_scale(cfg.qk_head_dim, cfg.rope_scaling),
-                                 absorbed=kernels.mla_absorbed and not fresh, block=cfg.block, tree=tree)
+                                 absorbed=kernels.mla_absorbed and not fresh, block=cfg.block, tree=tree,
+                                 kernels=kernels)
     h = h + attn
     x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
     if moe_layer:
-        return h + moe(x, w, cfg.routing, form=kernels.moe_form, block=cfg.block), latent
-    return h + swiglu_mlp(x, w, "w_", cfg.block), latent
+        return h + moe(x, w, cfg.routing, kernels=kernels, block=cfg.block), latent
+    return h + swiglu_mlp(x, w, "w_", cfg.block, kernels), latent
 
 
 def _arrays(weights: nnx.Dict) -> dict[str, jax.Array]:

@@ -17,6 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specjax.kernels.grouped_matmul import grouped_matmul
+from specjax.kernels.policy import KernelPolicy
+
 FP8_BLOCK = (128, 128)
 E4M3_MAX = 448.0
 
@@ -62,12 +65,20 @@ def fp8_matmul(x: jax.Array, w_fp8: jax.Array, scale_inv: jax.Array,
     return out.reshape(*x.shape[:-1], -1)[..., :cols].astype(x.dtype)
 
 
-def linear(x: jax.Array, weights: Mapping[str, jax.Array], name: str, block: tuple[int, int] | None) -> jax.Array:
+def linear(x: jax.Array, weights: Mapping[str, jax.Array], name: str, block: tuple[int, int] | None,
+           kernels: KernelPolicy = KernelPolicy()) -> jax.Array:
     """x @ weights[name]: through its block scales `weights[name + "_scale"]` (shape `block`, [in, out]
-    orientation) when the weight is FP8, a plain matmul otherwise."""
+    orientation) when the weight is FP8, a plain matmul otherwise. Fewer tokens than a block's rows (decode and
+    verify), where kernels run, FP8 goes through the grouped matmul kernel as one group: the codes are read as
+    stored, with the same per-block scaling as fp8_matmul's."""
     scale = weights.get(name + "_scale")
     if scale is None:
         return x @ weights[name]
+    tokens = math.prod(x.shape[:-1])
+    if tokens < block[0] and kernels.use_grouped_matmul_kernel(fp8=True):
+        out = grouped_matmul(x.reshape(tokens, -1), weights[name][None], jnp.full((1,), tokens, jnp.int32),
+                             scale=scale[None], block=block, kernels=kernels)
+        return out.reshape(*x.shape[:-1], -1)
     return fp8_matmul(x, weights[name], scale, block)
 
 

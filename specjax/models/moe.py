@@ -13,11 +13,12 @@ An FP8 checkpoint adds `<name>_scale` (the block scales, models/fp8.py) beside e
 shape in the [in, out] orientation. The expert axis leads every expert leaf, for expert parallelism.
 
 Expert forms (`routed_experts`): "dense" runs every expert on every token and combines by routing weight (the
-reference); "grouped" sorts the token-slots by expert and runs `jax.lax.ragged_dot` grouped matmuls; "gathered"
-gathers the selected experts' weight slices per token-slot and runs batched matvecs, so a step reads only those
-N*k slices (at decode k of E). How much "grouped" reads depends on ragged_dot's lowering: on CPU and by default
-on GPU a dense masked matmul over all groups; with jax_ragged_dot_use_gpu_pallas_triton_lowering (GPU) a grouped
-GEMM over the selected experts. "auto" takes "gathered" while N*k <= E and "grouped" beyond.
+reference); "grouped" sorts the token-slots by expert and runs grouped matmuls; "gathered" gathers the selected
+experts' weight slices per token-slot and runs batched matvecs, so a step reads only those N*k slices (at decode
+k of E). Where the kernel policy runs kernels, "grouped" is the Pallas grouped matmul (kernels/grouped_matmul.py),
+which reads each selected expert once per 16 of its slots, FP8 weights as they are stored, and "auto" takes it at
+every size; elsewhere "grouped" is `jax.lax.ragged_dot` over dequantized stacks (on CPU a dense masked matmul over
+all groups) and "auto" takes "gathered" while N*k <= E and "grouped" beyond.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from jax import lax
 
 from jax.sharding import PartitionSpec as P
 
+from specjax.kernels.grouped_matmul import grouped_matmul
+from specjax.kernels.policy import KernelPolicy
 from specjax.models.fp8 import dequantize_stack, linear
 from specjax.parallel.mesh import Layout, current_layout
 
@@ -94,15 +97,19 @@ def _within_top_groups(choice: jax.Array, routing: Routing) -> jax.Array:
 
 
 def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: Mapping[str, jax.Array], *,
-                   form: str = "auto", block: tuple[int, int] | None = None) -> jax.Array:
+                   form: str = "auto", block: tuple[int, int] | None = None,
+                   kernels: KernelPolicy = KernelPolicy()) -> jax.Array:
     """Σ_j weights[n, j] · Expert_{ids[n, j]}(x[n]) for tokens x [N, hidden], in the chosen form (module doc).
     experts: we_gate, we_up, we_down (and their `_scale` leaves with `block`)."""
     num_slots, num_experts = ids.size, experts["we_gate"].shape[0]
+    kernel = kernels.use_grouped_matmul_kernel(fp8=experts["we_gate"].dtype.itemsize == 1)
     if form == "auto":
-        form = "gathered" if num_slots <= num_experts else "grouped"
+        form = "gathered" if num_slots <= num_experts and not kernel else "grouped"
     forms = {"dense": _dense_experts, "grouped": _grouped_experts, "gathered": _gathered_experts}
     if form not in forms:
         raise ValueError(f"expert form {form!r} is not one of {EXPERT_FORMS}")
+    if form == "grouped":
+        return _grouped_experts(x, ids, weights, experts, block, kernels if kernel else None)
     return forms[form](x, ids, weights, experts, block)
 
 
@@ -134,16 +141,25 @@ def _ragged_dot_vmap(axis_size: int, in_batched: list[bool], lhs, rhs, group_siz
     return lax.map(lambda per_element: _ragged_dot(*per_element), tuple(args)), True
 
 
-def _grouped_experts(x, ids, weights, experts, block) -> jax.Array:
-    """Token-slots sorted by expert, ragged_dot grouped matmuls, then unsorted and combined."""
-    gate, up, down = _stacks(experts, block, x.dtype)
+def _grouped_experts(x, ids, weights, experts, block, kernels: KernelPolicy | None = None) -> jax.Array:
+    """Token-slots sorted by expert, grouped matmuls (the Pallas kernel under `kernels`, else ragged_dot over
+    dequantized stacks), then unsorted and combined."""
     num_tokens, k = ids.shape
     flat_ids = ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)
-    group_sizes = jnp.bincount(flat_ids, length=gate.shape[0]).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat_ids, length=experts["we_gate"].shape[0]).astype(jnp.int32)
+    if kernels is None:
+        stacks = dict(zip(EXPERT_LEAVES, _stacks(experts, block, x.dtype)))
+
+        def matmul(lhs, name):
+            return _ragged_dot(lhs, stacks[name], group_sizes)
+    else:
+        def matmul(lhs, name):
+            return grouped_matmul(lhs, experts[name], group_sizes, scale=experts.get(name + "_scale"),
+                                  block=block if name + "_scale" in experts else None, kernels=kernels)
     slots = x[order // k]
-    hidden = jax.nn.silu(_ragged_dot(slots, gate, group_sizes)) * _ragged_dot(slots, up, group_sizes)
-    out_sorted = _ragged_dot(hidden, down, group_sizes)
+    hidden = jax.nn.silu(matmul(slots, "we_gate")) * matmul(slots, "we_up")
+    out_sorted = matmul(hidden, "we_down")
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted, unique_indices=True)
     return _combine(out.reshape(num_tokens, k, -1), weights, x.dtype)
 
@@ -163,38 +179,40 @@ def _combine(out: jax.Array, weights: jax.Array, dtype) -> jax.Array:
 
 
 def swiglu_mlp(x: jax.Array, weights: Mapping[str, jax.Array], prefix: str,
-               block: tuple[int, int] | None = None) -> jax.Array:
+               block: tuple[int, int] | None = None, kernels: KernelPolicy = KernelPolicy()) -> jax.Array:
     """down(silu(gate(x)) * up(x)) of the weights `{prefix}gate`, `{prefix}up`, `{prefix}down` (FP8 or not): a
     dense layer's MLP (prefix "w_") or the shared experts ("ws_")."""
-    hidden = jax.nn.silu(linear(x, weights, prefix + "gate", block)) * linear(x, weights, prefix + "up", block)
-    return linear(hidden, weights, prefix + "down", block)
+    gate, up = (linear(x, weights, prefix + name, block, kernels) for name in ("gate", "up"))
+    return linear(jax.nn.silu(gate) * up, weights, prefix + "down", block, kernels)
 
 
-def moe(x: jax.Array, weights: Mapping[str, jax.Array], routing: Routing, *, form: str = "auto",
-        block: tuple[int, int] | None = None) -> jax.Array:
+def moe(x: jax.Array, weights: Mapping[str, jax.Array], routing: Routing, *,
+        kernels: KernelPolicy = KernelPolicy(), block: tuple[int, int] | None = None) -> jax.Array:
     """The MoE block on x [..., hidden]: routed experts plus the shared experts. Traced under a tensor-parallel
     layout, expert parallel (`_expert_parallel`)."""
     tokens = x.reshape(-1, x.shape[-1])
     ids, routing_weights = route(tokens, weights["w_router"], weights.get("router_bias"), routing)
     layout = current_layout()
     if layout is not None and layout.shards > 1:
-        return _expert_parallel(tokens, ids, routing_weights, weights, layout, form, block).reshape(x.shape)
-    routed = routed_experts(tokens, ids, routing_weights, weights, form=form, block=block)
-    return (routed + _shared(tokens, weights, block)).reshape(x.shape)
+        return _expert_parallel(tokens, ids, routing_weights, weights, layout, kernels, block).reshape(x.shape)
+    routed = routed_experts(tokens, ids, routing_weights, weights, form=kernels.moe_form, block=block,
+                            kernels=kernels)
+    return (routed + _shared(tokens, weights, block, kernels)).reshape(x.shape)
 
 
-def _shared(tokens: jax.Array, weights: Mapping[str, jax.Array], block) -> jax.Array:
+def _shared(tokens: jax.Array, weights: Mapping[str, jax.Array], block, kernels: KernelPolicy) -> jax.Array:
     """The shared experts' output (zero for a layer without them)."""
     if "ws_gate" not in weights:
         return jnp.zeros_like(tokens)
-    return swiglu_mlp(tokens, weights, "ws_", block)
+    return swiglu_mlp(tokens, weights, "ws_", block, kernels)
 
 
 EXPERT_LEAVES = ("we_gate", "we_up", "we_down")
 SHARED_COLUMNS, SHARED_ROWS = ("ws_gate", "ws_up"), ("ws_down",)
 
 
-def _expert_parallel(tokens, ids, routing_weights, weights, layout: Layout, form: str, block) -> jax.Array:
+def _expert_parallel(tokens, ids, routing_weights, weights, layout: Layout, kernels: KernelPolicy,
+                     block) -> jax.Array:
     """Each device runs its own slice of the routed experts (the expert axis split over the layout's axis) on
     every token, its slots for other devices' experts weighted 0, and its columns of the shared experts (split
     like a dense MLP when the model's partition rules split them); the partial outputs meet in one all-reduce."""
@@ -209,8 +227,8 @@ def _expert_parallel(tokens, ids, routing_weights, weights, layout: Layout, form
         local_ids = ids - jax.lax.axis_index(axis) * count
         mine = (local_ids >= 0) & (local_ids < count)
         routed = routed_experts(tokens, jnp.clip(local_ids, 0, count - 1), jnp.where(mine, routing_weights, 0.0),
-                                experts, form=form, block=block)
-        own_shared = _shared(tokens, shared, block)
+                                experts, form=kernels.moe_form, block=block, kernels=kernels)
+        own_shared = _shared(tokens, shared, block, kernels)
         if not split_shared:   # whole on every device: count it once in the sum
             own_shared = jnp.where(jax.lax.axis_index(axis) == 0, own_shared, 0)
         return jax.lax.psum(routed + own_shared, axis)

@@ -1,0 +1,145 @@
+"""DeepSeek's routed experts of one MoE layer in each form, against the floor: the grouped matmul kernel (the auto
+form where kernels run), XLA's gathered slices and XLA's ragged_dot over dequantized stacks, at the slot counts of
+decode and verify. V3: 256 FP8 experts of 7168 x 2048 (top 8); V2-Lite: 64 bf16 experts of 2048 x 1408 (top 6).
+
+The floor reads the distinct experts the step's routing selects (random distinct experts per token) once, over
+the copy bandwidth measured in the same process; each form's error is against the gathered one. `--sweep` times
+launch parameters of the kernel on the calls of a V3 step (routed experts, FP8 projections as one group).
+
+    PYTHONPATH=. python benchmarks/bench_grouped_matmul.py [--sweep] [--smoke]
+
+Writes $OUT/bench_grouped_matmul.json (and bench_grouped_matmul_sweep.json) and prints each row as it comes.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import (copy_bandwidth, interpret_kernels, median_time, print_table, relative_error,
+                               write_json)
+from specjax.kernels.grouped_matmul import grouped_matmul
+from specjax.kernels.grouped_matmul_reference import grouped_matmul_reference
+from specjax.kernels.grouped_matmul_triton import GroupedMatmulConfig
+from specjax.kernels.policy import KernelPolicy
+from specjax.models import random_init
+from specjax.models.fp8 import FP8_BLOCK
+from specjax.models.moe import routed_experts
+
+SHAPES = {"v3_fp8": dict(experts=256, hidden=7168, inter=2048, top=8, fp8=True),
+          "v2_lite_bf16": dict(experts=64, hidden=2048, inter=1408, top=6, fp8=False)}
+SMOKE_SHAPES = {"v3_fp8": dict(experts=8, hidden=256, inter=128, top=2, fp8=True)}
+TOKENS, SMOKE_TOKENS = (1, 8, 32, 128), (1, 4)
+FORMS = {"kernel": ("grouped", KernelPolicy(interpret=interpret_kernels())),
+         "xla gathered": ("gathered", KernelPolicy(impl="reference")),
+         "xla ragged_dot": ("grouped", KernelPolicy(impl="reference"))}
+SWEEP = dict(block_n=(16, 32, 64), num_warps=(4,), num_stages=(3, 4), k_splits=(None, 1))
+
+
+def experts_of(shape: dict, seed: int = 0) -> dict[str, jax.Array]:
+    """Random expert stacks (FP8 codes with block scales near 1/64, or bf16)."""
+    E, H, I = shape["experts"], shape["hidden"], shape["inter"]
+    keys = jax.random.split(jax.random.key(seed), 3)
+    dtype = jnp.float8_e4m3fn if shape["fp8"] else jnp.bfloat16
+    experts = {}
+    for key, (name, (rows, cols)) in zip(keys, {"we_gate": (H, I), "we_up": (H, I), "we_down": (I, H)}.items()):
+        experts[name] = random_init.normal(key, (E, rows, cols), dtype, scale=16.0 if shape["fp8"] else 0.02)
+        if shape["fp8"]:
+            grid = (E, -(-rows // FP8_BLOCK[0]), -(-cols // FP8_BLOCK[1]))
+            experts[name + "_scale"] = jax.random.uniform(key, grid, jnp.float32, 0.5, 1.5) / 1024
+    return experts
+
+
+def routing_of(shape: dict, tokens: int, seed: int) -> tuple[jax.Array, jax.Array]:
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.permutation(shape["experts"])[:shape["top"]] for _ in range(tokens)])
+    return jnp.asarray(ids, jnp.int32), jnp.asarray(rng.uniform(0.1, 1.0, ids.shape), jnp.float32)
+
+
+def expert_bytes(experts: dict[str, jax.Array]) -> int:
+    return sum(leaf[0].nbytes for leaf in experts.values())
+
+
+def form_rows(shapes: dict, tokens_list, bandwidth: float) -> list[dict]:
+    rows = []
+    for name, shape in shapes.items():
+        experts = experts_of(shape)
+        block = FP8_BLOCK if shape["fp8"] else None
+        for tokens in tokens_list:
+            x = random_init.normal(jax.random.key(tokens), (tokens, shape["hidden"]), jnp.bfloat16, scale=1.0)
+            ids, weights = routing_of(shape, tokens, tokens)
+            floor_ms = 1e3 * len(np.unique(np.asarray(ids))) * expert_bytes(experts) / bandwidth
+            outputs = {}
+            for form, (expert_form, policy) in FORMS.items():
+                fn = jax.jit(lambda x, ids, weights, experts, form=expert_form, policy=policy: routed_experts(
+                    x, ids, weights, experts, form=form, block=block, kernels=policy))
+                outputs[form] = fn(x, ids, weights, experts)
+                ms = 1e3 * median_time(lambda: fn(x, ids, weights, experts))
+                row = dict(shape=name, tokens=tokens, slots=tokens * shape["top"], form=form, ms=ms,
+                           floor_ms=floor_ms, of_floor=floor_ms / ms,
+                           rel_err_vs_gathered=relative_error(outputs[form], outputs.get("xla gathered",
+                                                                                         outputs[form])))
+                rows.append(row)
+                print_table([row])
+    return rows
+
+
+def sweep_cases(shape: dict) -> list[dict]:
+    """The kernel's calls in a V3 step: the routed gate ([7168, 2048]) and down ([2048, 7168]) matmuls at 8 and
+    64 slots, and FP8 projections as one group (q_a, o_proj, the dense layer's gate) at one row."""
+    experts = experts_of(shape)
+    cases = []
+    for slots in (8, 64):
+        ids, _ = routing_of(shape, slots // shape["top"], slots)
+        sizes = jnp.bincount(ids.reshape(-1), length=shape["experts"]).astype(jnp.int32)
+        for name in ("we_gate", "we_down"):
+            cases.append(dict(matrix=name, rows=slots, w=experts[name], scale=experts[name + "_scale"], sizes=sizes))
+    H = shape["hidden"]
+    for index, (name, (rows, cols)) in enumerate({"wq_a": (H, 1536), "wo": (16384, H), "w_gate": (H, 18432)}.items()):
+        single = experts_of(dict(shape, experts=1, hidden=rows, inter=cols), seed=index + 1)
+        cases.append(dict(matrix=name, rows=1, w=single["we_gate"], scale=single["we_gate_scale"],
+                          sizes=jnp.ones((1,), jnp.int32)))
+    return cases
+
+
+def sweep_rows(shape: dict, bandwidth: float) -> list[dict]:
+    """Launch parameters of the kernel on each of sweep_cases, against the floor (the selected matrices' bytes)."""
+    rows = []
+    for case in sweep_cases(shape):
+        w, scale, sizes = case["w"], case["scale"], case["sizes"]
+        x = random_init.normal(jax.random.key(case["rows"]), (case["rows"], w.shape[1]), jnp.bfloat16, scale=1.0)
+        want = grouped_matmul_reference(x, w, sizes, scale=scale, block=FP8_BLOCK)
+        floor_ms = 1e3 * int((sizes > 0).sum()) * (w[0].nbytes + scale[0].nbytes) / bandwidth
+        for values in itertools.product(*SWEEP.values()):
+            config = GroupedMatmulConfig(**dict(zip(SWEEP, values)))
+            fn = jax.jit(lambda x, config=config: grouped_matmul(x, w, sizes, scale=scale, block=FP8_BLOCK,
+                                                                 config=config))
+            got = fn(x)
+            ms = 1e3 * median_time(lambda: fn(x))
+            row = dict(matrix=case["matrix"], rows=case["rows"], **dict(zip(SWEEP, values)), ms=ms,
+                       of_floor=floor_ms / ms, rel_err=relative_error(got, want))
+            rows.append(row)
+            print_table([row])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="also time the kernel's launch parameters")
+    parser.add_argument("--sweep-only", action="store_true", help="only the launch parameters")
+    parser.add_argument("--smoke", action="store_true", help="tiny experts, to check the script")
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth(64 << 20 if args.smoke else 2 << 30)
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    shapes, tokens = (SMOKE_SHAPES, SMOKE_TOKENS) if args.smoke else (SHAPES, TOKENS)
+    if not args.sweep_only:
+        print("wrote", write_json("bench_grouped_matmul", form_rows(shapes, tokens, bandwidth)))
+    if args.sweep or args.sweep_only:
+        print("wrote", write_json("bench_grouped_matmul_sweep", sweep_rows(shapes["v3_fp8"], bandwidth)))
+
+
+if __name__ == "__main__":
+    main()

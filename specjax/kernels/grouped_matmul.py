@@ -1,0 +1,47 @@
+"""Grouped matmul (rows sorted by group, each times its group's matrix of a stack, plain or FP8 block-scaled): the
+Pallas kernel where the policy runs kernels, the pure-JAX reference elsewhere."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.kernels.grouped_matmul_reference import grouped_matmul_reference
+from specjax.kernels.grouped_matmul_triton import GroupedMatmulConfig, grouped_matmul_triton
+from specjax.kernels.policy import KernelPolicy
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, scale: jax.Array | None = None,
+                   block: tuple[int, int] | None = None, kernels: KernelPolicy = KernelPolicy(),
+                   config: GroupedMatmulConfig | None = None) -> jax.Array:
+    """x [M, K] @ w[g] row by row for w [G, K, N], the rows sorted by group with group_sizes [G] rows in each;
+    with `scale` [G, ceil(K/b0), ceil(N/b1)] (block b = `block`) w holds FP8 codes and each block's partial
+    product is scaled. Rows past sum(group_sizes) are zero. Output in x's dtype."""
+    _check_inputs(x, w, group_sizes, scale, block)
+    if kernels.use_grouped_matmul_kernel(fp8=w.dtype.itemsize == 1):
+        out = grouped_matmul_triton(x, w, group_sizes, scale=scale, block=block, config=config,
+                                    interpret=kernels.interpret)
+        return jnp.where((jnp.arange(x.shape[0]) < group_sizes.sum())[:, None], out, 0)
+    return grouped_matmul_reference(x, w, group_sizes, scale=scale, block=block)
+
+
+def _check_inputs(x, w, group_sizes, scale, block) -> None:
+    """Raise a clear error for inconsistent inputs before anything is compiled."""
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"grouped_matmul: x must be [M, K] and w [G, K, N], got x {x.shape} and w {w.shape}")
+    if group_sizes.shape != (w.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"grouped_matmul: group_sizes must be integers [G={w.shape[0]}], got "
+                         f"{group_sizes.dtype}{list(group_sizes.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"grouped_matmul: x must be floating point, got {x.dtype}")
+    if (scale is None) != (block is None):
+        raise ValueError("grouped_matmul: pass scale= and block= together (an FP8 stack's block scales and shape)")
+    if w.dtype.itemsize == 1:
+        if scale is None:
+            raise ValueError("grouped_matmul: a 1-byte (FP8) stack needs its block scales: pass scale= and block=")
+        if w.shape[2] % 2:
+            raise ValueError(f"grouped_matmul: an FP8 stack needs an even number of columns, got {w.shape[2]}")
+    if scale is not None:
+        expected = (w.shape[0], -(-w.shape[1] // block[0]), -(-w.shape[2] // block[1]))
+        if scale.shape != expected:
+            raise ValueError(f"grouped_matmul: scale must be {list(expected)} for w {list(w.shape)} in blocks of "
+                             f"{list(block)}, got {list(scale.shape)}")

@@ -1,0 +1,37 @@
+"""Pure-JAX grouped matmul: rows sorted by group, each row times its group's matrix of a stack, the stack plain or
+FP8 with block scales. Ground truth for the Pallas kernel; it reads each row's whole matrix (tests only).
+
+With block scales the scale goes on each block's fp32 partial product, as the kernel applies it, not on the
+weight: out[m, n] = sum_b scale[g, b, n // bn] * sum_{k in block b} x[m, k] w[g, k, n].
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """The group of each of `rows` rows sorted by group (rows past sum(group_sizes): the last group)."""
+    return jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=rows)
+
+
+def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+                             scale: jax.Array | None = None, block: tuple[int, int] | None = None) -> jax.Array:
+    """x [M, K] (rows sorted by group) @ w[group of the row] for w [G, K, N], in x's dtype; rows past
+    sum(group_sizes) are zero (as lax.ragged_dot)."""
+    rows, in_features = x.shape
+    groups = row_groups(group_sizes, rows)
+    weights = w[groups].astype(x.dtype)                                              # [M, K, N]
+    if scale is None:
+        out = jnp.einsum("mk,mkn->mn", x, weights, preferred_element_type=jnp.float32)
+    else:
+        block_in, block_out = block
+        padded_in = -(-in_features // block_in) * block_in
+        x_blocks = jnp.pad(x, ((0, 0), (0, padded_in - in_features))).reshape(rows, -1, block_in)
+        w_blocks = jnp.pad(weights, ((0, 0), (0, padded_in - in_features), (0, 0)))
+        w_blocks = w_blocks.reshape(rows, -1, block_in, w.shape[2])
+        partial = jnp.einsum("mbc,mbcn->mbn", x_blocks, w_blocks, preferred_element_type=jnp.float32)
+        column_scale = jnp.repeat(scale[groups], block_out, axis=2)[:, :, :w.shape[2]]   # [M, Kb, N]
+        out = (partial * column_scale).sum(axis=1)
+    filled = jnp.arange(rows) < group_sizes.sum()
+    return jnp.where(filled[:, None], out, 0).astype(x.dtype)

@@ -1,0 +1,167 @@
+"""Grouped matmul over a stack of matrices as one Pallas kernel lowered through Triton (NVIDIA sm_89+ for FP8).
+
+MoE experts at decode and verify: a few rows per selected expert, most experts selected by no row. The rows come
+sorted by group; a table (computed beside the call) cuts each group's rows into tiles of BLOCK_M, and one program
+per (tile, block of output columns, split of K) streams its part of its group's matrix through a K loop. So each
+selected matrix is read once per tile of its rows, and an unselected one never (XLA's ragged_dot on GPU reads every
+group).
+- Up to MAX_SPLIT_ROWS rows, K is split so that a single tile already makes enough programs to keep every SM
+  pulling from memory (a handful of experts, or one dense matrix, at decode); the fp32 partial products are summed
+  in split order beside the call. The split count depends on the matrix shape alone, never on the row count.
+- FP8 matrices stay FP8 in memory: a K chunk is one 128-row scale block, converted to the activations' dtype in
+  registers; its fp32 partial product is multiplied by the block's column scales and added.
+- A 1-byte stack is read as uint16 pairs of adjacent columns, so that an element offset fits int32 up to 4 GiB
+  (Pallas uses 64-bit offsets only past 4 GiB, while an int32 offset of a 1-byte array stops at 2 GiB); the low
+  byte is the even column, the high byte the odd one, each half its own dot.
+- A row's result depends on its own row alone and the tile shapes never change with the row count, so a token
+  rounds the same in a one-token decode step and in a (k+1)-token verify pass (exact greedy speculation).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+# Triton's matrix units need at least 16 rows per dot.
+BLOCK_M = 16
+# Programs one tile's K splits aim for (about four per SM of an H100 / H200); past MAX_SPLIT_ROWS rows (prefill)
+# the tiles themselves are enough and K is not split (its partial products would outgrow the output).
+_TARGET_PROGRAMS = 4 * 132
+MAX_SPLIT_ROWS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmulConfig:
+    """Static launch parameters (part of the compiled program). block_n counts stored columns: column pairs for
+    a 1-byte stack."""
+
+    block_n: int = 32
+    block_k: int = 128      # a scaled stack's K chunk is its scale block, whatever this says
+    num_warps: int = 4
+    num_stages: int = 3
+    k_splits: int | None = None   # None: default_k_splits
+
+
+def default_k_splits(column_blocks: int, k_chunks: int) -> int:
+    """Enough splits of K for one tile's programs to reach _TARGET_PROGRAMS, whole chunks each, at most one
+    split per chunk."""
+    wanted = min(k_chunks, max(1, -(-_TARGET_PROGRAMS // column_blocks)))
+    return -(-k_chunks // -(-k_chunks // wanted))
+
+
+def tile_table(group_sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(group, first row, end row) of each of `max_tiles(rows, groups)` tiles: each group's rows cut into runs of
+    BLOCK_M; the tiles past the last one are empty (end == first)."""
+    groups = group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    tiles_per_group = -(-sizes // BLOCK_M)
+    tile_end = jnp.cumsum(tiles_per_group)
+    row_end = jnp.cumsum(sizes)
+    tile = jnp.arange(max_tiles(rows, groups), dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(tile_end, tile, side="right"), groups - 1).astype(jnp.int32)
+    first = row_end[group] - sizes[group] + (tile - tile_end[group] + tiles_per_group[group]) * BLOCK_M
+    end = jnp.where(tile < tile_end[-1], jnp.minimum(row_end[group], first + BLOCK_M), first)
+    return group, first, end
+
+
+def max_tiles(rows: int, groups: int) -> int:
+    """An upper bound on the tiles of `rows` rows in `groups` groups: sum ceil(n_g / BLOCK_M) over the non-empty
+    groups, at most rows / BLOCK_M rounded up plus one partial tile per non-empty group."""
+    return -(-rows // BLOCK_M) + min(groups, rows)
+
+
+def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, scale: jax.Array | None = None,
+                          block: tuple[int, int] | None = None, config: GroupedMatmulConfig | None = None,
+                          interpret: bool = False) -> jax.Array:
+    """specjax.kernels.grouped_matmul_reference, as one kernel (rows past sum(group_sizes) are left unwritten;
+    the dispatcher zeroes them)."""
+    config = config or GroupedMatmulConfig()
+    rows, in_features = x.shape
+    groups, _, out_features = w.shape
+    pairs = w.dtype.itemsize == 1
+    stored = _as_pairs(w) if pairs else w
+    block_k = block[0] if scale is not None else config.block_k
+    column_blocks, k_chunks = pl.cdiv(stored.shape[2], config.block_n), pl.cdiv(in_features, block_k)
+    splits = 1 if rows > MAX_SPLIT_ROWS else config.k_splits or default_k_splits(column_blocks, k_chunks)
+    chunks_per_split = pl.cdiv(k_chunks, splits)
+    splits = pl.cdiv(k_chunks, chunks_per_split)
+    args = [*tile_table(group_sizes, rows), x, stored] + ([scale] if scale is not None else [])
+    kernel = functools.partial(
+        _grouped_kernel, pairs=pairs, weight_dtype=w.dtype, has_scale=scale is not None, in_features=in_features,
+        out_features=out_features, block_k=block_k, block_n=config.block_n, chunks_per_split=chunks_per_split,
+        scale_block_n=block[1] if scale is not None else 1,
+        precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT)
+    partials = pl.pallas_call(
+        kernel,
+        grid=(max_tiles(rows, groups), column_blocks, splits),
+        in_specs=[pl.BlockSpec() for _ in args],   # unblocked: the kernel indexes its rows, group and columns
+        out_specs=pl.BlockSpec(),
+        out_shape=jax.ShapeDtypeStruct((splits, rows, out_features), x.dtype if splits == 1 else jnp.float32),
+        compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="specjax_grouped_matmul",
+    )(*args)
+    return functools.reduce(jnp.add, list(partials)).astype(x.dtype)   # in split order: one rounding, always
+
+
+def _as_pairs(w: jax.Array) -> jax.Array:
+    """A 1-byte stack [G, K, N] (N even) viewed as uint16 [G, K, N/2]: adjacent columns in one element."""
+    as_bytes = lax.bitcast_convert_type(w, jnp.uint8)
+    return lax.bitcast_convert_type(as_bytes.reshape(*w.shape[:2], -1, 2), jnp.uint16)
+
+
+def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, *refs, pairs: bool, weight_dtype,
+                    has_scale: bool, in_features: int, out_features: int, block_k: int, block_n: int,
+                    chunks_per_split: int, scale_block_n: int, precision: lax.Precision) -> None:
+    """One (tile, column block, K split): nothing for an empty tile; else the K loop over the split's chunks of
+    dots (one per column phase: even and odd columns of a pair view), scaled per block, and one masked store per
+    phase into the split's partial output."""
+    scale_ref = refs[0] if has_scale else None
+    out_ref = refs[-1]
+    tile, split = pl.program_id(0), pl.program_id(2)
+    group, first, end = group_ref[tile], first_ref[tile], end_ref[tile]
+    stored_col = pl.program_id(1) * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
+    stored_ok = stored_col < w_ref.shape[2]
+    phases = 2 if pairs else 1
+    out_cols = [stored_col * phases + phase for phase in range(phases)]
+
+    @pl.when(first < end)
+    def _():
+        row = first + lax.broadcasted_iota(jnp.int32, (BLOCK_M,), 0)
+        row_ok = row < end
+
+        def accumulate(chunk, totals):
+            ks = chunk * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+            k_ok = ks < in_features
+            xs = plt.load(x_ref.at[row[:, None], ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            raw = plt.load(w_ref.at[group, ks[:, None], stored_col[None, :]],
+                           mask=k_ok[:, None] & stored_ok[None, :], other=0)
+            tiles = _unpair(raw, weight_dtype) if pairs else (raw,)
+            updated = []
+            for total, weights, cols in zip(totals, tiles, out_cols):
+                part = plt.dot(xs, weights.astype(xs.dtype), precision=precision)
+                if has_scale:
+                    part = part * plt.load(scale_ref.at[group, chunk, cols // scale_block_n], mask=stored_ok,
+                                           other=0.0)[None, :]
+                updated.append(total + part)
+            return tuple(updated)
+
+        zero = jnp.zeros((BLOCK_M, block_n), jnp.float32)
+        first_chunk = split * chunks_per_split
+        last_chunk = jnp.minimum(first_chunk + chunks_per_split, pl.cdiv(in_features, block_k))
+        totals = lax.fori_loop(first_chunk, last_chunk, accumulate, (zero,) * phases)
+        for total, cols in zip(totals, out_cols):
+            plt.store(out_ref.at[split, row[:, None], cols[None, :]], total.astype(out_ref.dtype),
+                      mask=row_ok[:, None] & (cols < out_features)[None, :])
+
+
+def _unpair(raw: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """The even (low byte) and odd (high byte) columns of uint16 pairs, as `dtype` (a 1-byte float)."""
+    low = (raw & 0xFF).astype(jnp.uint8)
+    high = (raw >> 8).astype(jnp.uint8)
+    return tuple(lax.bitcast_convert_type(half, dtype) for half in (low, high))

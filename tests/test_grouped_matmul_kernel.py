@@ -1,0 +1,171 @@
+"""Grouped matmul: reference vs a float64 oracle, the Pallas kernel (interpret mode) vs the reference for plain and
+FP8 stacks, the tile table, row independence (what exact speculation needs), the dispatcher's choice, bad input."""
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specjax.kernels.grouped_matmul import grouped_matmul
+from specjax.kernels.grouped_matmul_reference import grouped_matmul_reference
+from specjax.kernels.grouped_matmul_triton import (BLOCK_M, GroupedMatmulConfig, grouped_matmul_triton, max_tiles,
+                                                   tile_table)
+from specjax.kernels.policy import KernelPolicy, has_kernels
+from specjax.models.fp8 import dequantize_blocks, quantize_blocks
+
+INTERPRET = KernelPolicy(interpret=True)
+# Group sizes with an empty group, one row, and a group over two tiles; the rows sum to 25.
+SIZES = (3, 0, 2 * BLOCK_M + 1, 1, 2)
+
+
+def make_stack(seed, groups, k, n, dtype, block=None):
+    """x-independent weights [G, K, N]: plain in `dtype`, or FP8 codes and block scales when `block` is given."""
+    rng = np.random.default_rng(seed)
+    w = jnp.asarray(rng.standard_normal((groups, k, n)) / np.sqrt(k), jnp.float32)
+    if block is None:
+        return w.astype(dtype), None
+    quantized = [quantize_blocks(w[g], block) for g in range(groups)]
+    return jnp.stack([q for q, _ in quantized]), jnp.stack([s for _, s in quantized])
+
+
+def make_rows(seed, rows, k, dtype):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((rows, k)), dtype)
+
+
+def oracle(x, w, sizes, scale, block):
+    """float64 numpy: each row times its group's (dequantized) matrix; rows past the groups zero."""
+    x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    mats = [np.asarray(dequantize_blocks(w[g], scale[g], block) if scale is not None else w[g].astype(jnp.float32),
+                       np.float64) for g in range(w.shape[0])]
+    out = np.zeros((x.shape[0], w.shape[2]))
+    row = 0
+    for g, size in enumerate(sizes):
+        out[row:row + size] = x[row:row + size] @ mats[g]
+        row += size
+    return out
+
+
+def relative_error(out, expected):
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    assert np.isfinite(out).all(), "output has NaN/Inf (an unwritten element)"
+    return np.linalg.norm(out - expected) / np.linalg.norm(expected)
+
+
+CASES = [  # (K, N, block): edge blocks in K and N; a column block over several scale blocks; plain stacks
+    (200, 150, (64, 32)),
+    (96, 64, (32, 16)),
+    (200, 150, None),
+]
+
+
+@pytest.mark.parametrize("k, n, block", CASES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_and_reference_match_the_float64_oracle(k, n, block, dtype):
+    w, scale = make_stack(0, len(SIZES), k, n, dtype, block)
+    rows = sum(SIZES) + 2                     # two rows past the groups: zero
+    x = make_rows(1, rows, k, dtype)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    want = oracle(x, w, SIZES, scale, block)
+    tolerance = 1e-5 if dtype == jnp.float32 else 2e-2
+    with jax.default_matmul_precision("highest"):
+        reference = grouped_matmul_reference(x, w, sizes, scale=scale, block=block)
+    kernel = grouped_matmul(x, w, sizes, scale=scale, block=block, kernels=INTERPRET,
+                            config=GroupedMatmulConfig(block_n=16, block_k=32))
+    for got in (reference, kernel):
+        assert got.shape == (rows, n) and got.dtype == dtype
+        assert relative_error(got, want) < tolerance
+        assert not np.asarray(got[-2:]).any()
+    if dtype == jnp.float32:
+        assert relative_error(kernel, np.asarray(reference, np.float64)) < 1e-6
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 3 * BLOCK_M), min_size=1, max_size=12), st.integers(0, 5))
+def test_the_tile_table_covers_each_row_once_within_its_group(sizes, spare_rows):
+    rows = sum(sizes) + spare_rows
+    group, first, end = map(np.asarray, tile_table(jnp.asarray(sizes, jnp.int32), max(rows, 1)))
+    assert len(group) == max_tiles(max(rows, 1), len(sizes))
+    owner = np.repeat(np.arange(len(sizes)), sizes)
+    covered = np.zeros(rows, int)
+    for g, a, b in zip(group, first, end):
+        assert 0 <= b - a <= BLOCK_M
+        covered[a:b] += 1
+        assert (owner[a:b] == g).all()
+    assert (covered[:sum(sizes)] == 1).all() and not covered[sum(sizes):].any()
+
+
+@pytest.mark.parametrize("block", [(32, 16), None])
+def test_a_rows_result_does_not_depend_on_the_other_rows(block):
+    """A row rounds the same alone in its group (a decode step) and among other rows of its own and other groups
+    (a verify pass): the kernel's tiles never change with the row count."""
+    k, n = 96, 64
+    w, scale = make_stack(2, 4, k, n, jnp.bfloat16, block)
+    x = make_rows(3, 20, k, jnp.bfloat16)
+    run = jax.jit(lambda x, sizes: grouped_matmul(x, w, sizes, scale=scale, block=block, kernels=INTERPRET))
+    batch = run(x, jnp.asarray([5, 7, 0, 8], jnp.int32))
+    for row, group in [(0, 0), (6, 1), (11, 1), (19, 3)]:
+        alone = run(x[row:row + 1], jnp.asarray([int(g == group) for g in range(4)], jnp.int32))
+        np.testing.assert_array_equal(np.asarray(alone[0], np.float32), np.asarray(batch[row], np.float32))
+
+
+def test_an_fp8_stack_is_read_as_column_pairs():
+    """The uint16 view of a 1-byte stack keeps every column in place: a single-expert, single-block matmul with an
+    identity input reads the codes back column by column (scale 1)."""
+    k, n = 16, 32
+    codes = jnp.asarray(np.random.default_rng(4).uniform(-4, 4, (1, k, n)), jnp.float8_e4m3fn)
+    ones = jnp.ones((1, 1, 1), jnp.float32)
+    got = grouped_matmul_triton(jnp.eye(k, dtype=jnp.float32), codes, jnp.asarray([k], jnp.int32), scale=ones,
+                                block=(k, n), interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(codes[0], np.float32))
+
+
+def fake_device(platform, capability=None):
+    return types.SimpleNamespace(platform=platform, compute_capability=capability)
+
+
+@pytest.mark.parametrize("device, plain, fp8", [
+    (fake_device("cpu"), False, False),
+    (fake_device("gpu", "8.0"), True, False),    # A100: no float8 conversions in Triton
+    (fake_device("gpu", "8.9"), True, True),     # L4 / L40
+    (fake_device("gpu", "9.0"), True, True),     # H100 / H200
+    (fake_device("gpu", "gfx90a"), False, False),
+])
+def test_the_kernel_runs_where_triton_converts_the_stacks_dtype(device, plain, fp8):
+    policy = KernelPolicy(device=device)
+    assert policy.use_grouped_matmul_kernel(fp8=False) == plain
+    assert policy.use_grouped_matmul_kernel(fp8=True) == fp8
+    assert not KernelPolicy(impl="reference", device=device).use_grouped_matmul_kernel(fp8=False)
+    assert INTERPRET.use_grouped_matmul_kernel(fp8=True)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(x=jnp.ones((4, 8))), r"x must be \[M, K\] and w \[G, K, N\]"),
+    (dict(group_sizes=jnp.ones((3,), jnp.int32)), r"group_sizes must be integers \[G=2\]"),
+    (dict(group_sizes=jnp.ones((2,), jnp.float32)), r"group_sizes must be integers"),
+    (dict(scale=None, block=None), "a 1-byte \\(FP8\\) stack needs its block scales"),
+    (dict(block=None), "pass scale= and block= together"),
+    (dict(scale=jnp.ones((2, 1, 1), jnp.float32)), r"scale must be \[2, 1, 2\] for w \[2, 16, 32\]"),
+    (dict(w=jnp.zeros((2, 16, 31), jnp.float8_e4m3fn), scale=jnp.ones((2, 1, 2))), "an even number of columns"),
+])
+def test_bad_input_is_refused_naming_the_argument(change, match):
+    args = dict(x=jnp.ones((4, 16)), w=jnp.zeros((2, 16, 32), jnp.float8_e4m3fn),
+                group_sizes=jnp.asarray([2, 2], jnp.int32), scale=jnp.ones((2, 1, 2), jnp.float32), block=(16, 16))
+    args.update(change)
+    with pytest.raises((ValueError, TypeError), match=match):
+        grouped_matmul(args.pop("x"), args.pop("w"), args.pop("group_sizes"), **args)
+
+
+@pytest.mark.skipif(not has_kernels(jax.devices()[0], (8, 9)), reason="compiles the FP8 Triton kernel (sm_89+)")
+def test_the_compiled_kernel_matches_the_reference_on_the_gpu():
+    k, n = 7168 // 4, 2048 // 4
+    w, scale = make_stack(5, 8, k, n, jnp.bfloat16, (128, 128))
+    x = make_rows(6, sum(SIZES) + 7, k, jnp.bfloat16)
+    sizes = jnp.asarray(SIZES + (0, 0, 7), jnp.int32)
+    got = jax.jit(lambda x: grouped_matmul(x, w, sizes, scale=scale, block=(128, 128)))(x)
+    want = grouped_matmul_reference(x, w, sizes, scale=scale, block=(128, 128))
+    assert relative_error(got, np.asarray(want, np.float64)) < 1e-2
