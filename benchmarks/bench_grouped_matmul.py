@@ -21,6 +21,7 @@ import numpy as np
 
 from benchmarks.common import (copy_bandwidth, interpret_kernels, median_time, print_table, relative_error,
                                write_json)
+from benchmarks.device_trace import busy_ns, traced_kernels
 from specjax.kernels.grouped_matmul import grouped_matmul
 from specjax.kernels.grouped_matmul_reference import grouped_matmul_reference
 from specjax.kernels.grouped_matmul_triton import GroupedMatmulConfig
@@ -36,7 +37,7 @@ TOKENS, SMOKE_TOKENS = (1, 8, 32, 128), (1, 4)
 FORMS = {"kernel": ("grouped", KernelPolicy(interpret=interpret_kernels())),
          "xla gathered": ("gathered", KernelPolicy(impl="reference")),
          "xla ragged_dot": ("grouped", KernelPolicy(impl="reference"))}
-SWEEP = dict(block_n=(16, 32, 64), num_warps=(4,), num_stages=(3, 4), k_splits=(None, 1))
+SWEEP = dict(block_n=(16, 32, 64, 128), num_warps=(4, 8))
 
 
 def experts_of(shape: dict, seed: int = 0) -> dict[str, jax.Array]:
@@ -78,8 +79,9 @@ def form_rows(shapes: dict, tokens_list, bandwidth: float) -> list[dict]:
                     x, ids, weights, experts, form=form, block=block, kernels=policy))
                 outputs[form] = fn(x, ids, weights, experts)
                 ms = 1e3 * median_time(lambda: fn(x, ids, weights, experts))
+                device_ms, _ = device_times(lambda: fn(x, ids, weights, experts))
                 row = dict(shape=name, tokens=tokens, slots=tokens * shape["top"], form=form, ms=ms,
-                           floor_ms=floor_ms, of_floor=floor_ms / ms,
+                           device_ms=device_ms, floor_ms=floor_ms, of_floor=floor_ms / device_ms,
                            rel_err_vs_gathered=relative_error(outputs[form], outputs.get("xla gathered",
                                                                                          outputs[form])))
                 rows.append(row)
@@ -88,14 +90,14 @@ def form_rows(shapes: dict, tokens_list, bandwidth: float) -> list[dict]:
 
 
 def sweep_cases(shape: dict) -> list[dict]:
-    """The kernel's calls in a V3 step: the routed gate ([7168, 2048]) and down ([2048, 7168]) matmuls at 8 and
-    64 slots, and FP8 projections as one group (q_a, o_proj, the dense layer's gate) at one row."""
+    """The kernel's calls in a V3 step: the routed gate ([7168, 2048]) and down ([2048, 7168]) matmuls at 8 slots,
+    the gate at 64, and FP8 projections as one group (q_a, o_proj, the dense layer's gate) at one row."""
     experts = experts_of(shape)
     cases = []
-    for slots in (8, 64):
+    for slots, names in ((8, ("we_gate", "we_down")), (64, ("we_gate",))):
         ids, _ = routing_of(shape, slots // shape["top"], slots)
         sizes = jnp.bincount(ids.reshape(-1), length=shape["experts"]).astype(jnp.int32)
-        for name in ("we_gate", "we_down"):
+        for name in names:
             cases.append(dict(matrix=name, rows=slots, w=experts[name], scale=experts[name + "_scale"], sizes=sizes))
     H = shape["hidden"]
     for index, (name, (rows, cols)) in enumerate({"wq_a": (H, 1536), "wo": (16384, H), "w_gate": (H, 18432)}.items()):
@@ -103,6 +105,16 @@ def sweep_cases(shape: dict) -> list[dict]:
         cases.append(dict(matrix=name, rows=1, w=single["we_gate"], scale=single["we_gate_scale"],
                           sizes=jnp.ones((1,), jnp.int32)))
     return cases
+
+
+def device_times(run, calls: int = 5) -> tuple[float, float]:
+    """(ms the device was busy, ms in the grouped matmul kernel) per call of run(), from a profiler trace; NaN off
+    GPUs."""
+    kernels = traced_kernels(lambda: [run() for _ in range(calls)])
+    if not kernels:
+        return float("nan"), float("nan")
+    own = sum(k.duration_ns for k in kernels if "grouped_matmul" in k.name)
+    return busy_ns(kernels) / calls / 1e6, own / calls / 1e6
 
 
 def sweep_rows(shape: dict, bandwidth: float) -> list[dict]:
@@ -115,12 +127,13 @@ def sweep_rows(shape: dict, bandwidth: float) -> list[dict]:
         floor_ms = 1e3 * int((sizes > 0).sum()) * (w[0].nbytes + scale[0].nbytes) / bandwidth
         for values in itertools.product(*SWEEP.values()):
             config = GroupedMatmulConfig(**dict(zip(SWEEP, values)))
-            fn = jax.jit(lambda x, config=config: grouped_matmul(x, w, sizes, scale=scale, block=FP8_BLOCK,
-                                                                 config=config))
-            got = fn(x)
-            ms = 1e3 * median_time(lambda: fn(x))
-            row = dict(matrix=case["matrix"], rows=case["rows"], **dict(zip(SWEEP, values)), ms=ms,
-                       of_floor=floor_ms / ms, rel_err=relative_error(got, want))
+            fn = jax.jit(lambda x, w, scale, sizes, config=config: grouped_matmul(x, w, sizes, scale=scale,
+                                                                                block=FP8_BLOCK, config=config))
+            got = fn(x, w, scale, sizes)
+            device_ms, kernel_ms = device_times(lambda: fn(x, w, scale, sizes))
+            row = dict(matrix=case["matrix"], rows=case["rows"], **dict(zip(SWEEP, values)),
+                       device_ms=device_ms, kernel_ms=kernel_ms, of_floor=floor_ms / kernel_ms,
+                       rel_err=relative_error(got, want))
             rows.append(row)
             print_table([row])
     return rows
@@ -130,15 +143,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="also time the kernel's launch parameters")
     parser.add_argument("--sweep-only", action="store_true", help="only the launch parameters")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="the forms' shapes: " + ", ".join(SHAPES))
     parser.add_argument("--smoke", action="store_true", help="tiny experts, to check the script")
     args = parser.parse_args()
     bandwidth = copy_bandwidth(64 << 20 if args.smoke else 2 << 30)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    shapes, tokens = (SMOKE_SHAPES, SMOKE_TOKENS) if args.smoke else (SHAPES, TOKENS)
+    shapes, tokens = (SMOKE_SHAPES, SMOKE_TOKENS) if args.smoke else (
+        {name: SHAPES[name] for name in args.shapes.split(",")}, TOKENS)
     if not args.sweep_only:
         print("wrote", write_json("bench_grouped_matmul", form_rows(shapes, tokens, bandwidth)))
     if args.sweep or args.sweep_only:
-        print("wrote", write_json("bench_grouped_matmul_sweep", sweep_rows(shapes["v3_fp8"], bandwidth)))
+        print("wrote", write_json("bench_grouped_matmul_sweep", sweep_rows((SMOKE_SHAPES if args.smoke else SHAPES)["v3_fp8"], bandwidth)))
 
 
 if __name__ == "__main__":

@@ -5,16 +5,18 @@ sorted by group; a table (computed beside the call) cuts each group's rows into 
 per (tile, block of output columns, split of K) streams its part of its group's matrix through a K loop. So each
 selected matrix is read once per tile of its rows, and an unselected one never (XLA's ragged_dot on GPU reads every
 group).
-- Up to MAX_SPLIT_ROWS rows, K is split so that a single tile already makes enough programs to keep every SM
-  pulling from memory (a handful of experts, or one dense matrix, at decode); the fp32 partial products are summed
-  in split order beside the call. The split count depends on the matrix shape alone, never on the row count.
+- Up to MAX_SPLIT_ROWS rows (decode and verify passes: 512 tokens of top-8 routing), K is split so that a single
+  tile already makes enough programs to keep every SM pulling from memory (a handful of experts, or one dense
+  matrix, at decode); the fp32 partial products are summed in split order beside the call. Below that bound the
+  split count depends on the matrix shape alone, not on the row count.
 - FP8 matrices stay FP8 in memory: a K chunk is one 128-row scale block, converted to the activations' dtype in
   registers; its fp32 partial product is multiplied by the block's column scales and added.
 - A 1-byte stack is read as uint16 pairs of adjacent columns, so that an element offset fits int32 up to 4 GiB
   (Pallas uses 64-bit offsets only past 4 GiB, while an int32 offset of a 1-byte array stops at 2 GiB); the low
   byte is the even column, the high byte the odd one, each half its own dot.
 - A row's result depends on its own row alone and the tile shapes never change with the row count, so a token
-  rounds the same in a one-token decode step and in a (k+1)-token verify pass (exact greedy speculation).
+  rounds the same in a decode step and in a verify pass (exact greedy speculation) while both stay within
+  MAX_SPLIT_ROWS rows.
 """
 from __future__ import annotations
 
