@@ -8,7 +8,9 @@ The floor counts the bytes a step must read: every weight except the routed expe
 the batch selects (counted by routing random hidden states through each MoE layer's own router) and the latent
 cache, over the copy bandwidth measured in the same process.
 
-    PYTHONPATH=. python benchmarks/bench_deepseek.py [--suites v3_step,v2_e2e,mtp] [--smoke]
+    PYTHONPATH=. python benchmarks/bench_deepseek.py [--suites v3_step,v2_e2e,mtp,v2_transformers] [--smoke]
+
+(v2_transformers, transformers' own V2-Lite as the peer, runs in a child process first.)
 
 Writes $OUT/bench_deepseek_<suite>.json and prints each row as it comes.
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +35,7 @@ from specjax.models.deepseek import FAMILY, DeepseekConfig
 from specjax.models.moe import route
 from specjax.models.mtp import MtpConfig, MtpHead
 
-SUITES = ("v3_step", "v2_e2e", "mtp")
+SUITES = ("v3_step", "v2_e2e", "mtp", "v2_transformers")
 YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
 # DeepSeek-V3's config.json, 4 layers instead of 61, the first one dense (V3 has 3).
 V3_4_LAYERS = {
@@ -157,6 +161,51 @@ def v2_e2e_suite(bandwidth: float, smoke: bool, sizes_run: Sizes) -> list[dict]:
     return rows
 
 
+def hf_config(d: dict, smoke: bool):
+    """transformers' DeepseekV2Config for the config.json dict `d` (--smoke's shrunk one)."""
+    from transformers import DeepseekV2Config
+    fields = {**d, **(SMOKE if smoke else {})}
+    rope_scaling = fields.pop("rope_scaling")
+    fields["rope_parameters"] = {"rope_type": rope_scaling["type"], "rope_theta": fields.pop("rope_theta"),
+                                 **{k: v for k, v in rope_scaling.items() if k != "type"}}
+    for key in ("architectures", "torch_dtype", "num_nextn_predict_layers"):
+        fields.pop(key)
+    return DeepseekV2Config(**fields)
+
+
+def v2_transformers_suite(smoke: bool, sizes_run: Sizes) -> list[dict]:
+    """transformers' own DeepseekV2ForCausalLM at V2-Lite's shape (its own random bf16 weights: the timing depends
+    on shapes and on how many experts the rows select, not on the values), greedy `generate` with its default
+    cache, on the GPU where there is one. Run it in a process of its own (JAX preallocates most of the GPU)."""
+    import time
+
+    import torch
+    from transformers import DeepseekV2ForCausalLM
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = DeepseekV2ForCausalLM._from_config(hf_config(V2_LITE, smoke), dtype=torch.bfloat16).eval()
+    rows = []
+    for B in (1,) if smoke else V2_BATCHES:
+        prompt = torch.randint(3, model.config.vocab_size, (B, sizes_run.prompt_len), device=device)
+
+        def generate(new_tokens: int) -> float:
+            begin = time.perf_counter()
+            with torch.no_grad():
+                model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, do_sample=False)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - begin
+
+        generate(4)
+        seconds = generate(sizes_run.new_tokens)
+        rows.append(dict(shape="v2_lite_bf16", batch=B, engine="transformers generate", device=device,
+                         new_tokens=sizes_run.new_tokens, tok_s=B * sizes_run.new_tokens / seconds))
+        print(rows[-1], flush=True)
+    return rows
+
+
 def mtp_suite(smoke: bool, sizes_run: Sizes) -> list[dict]:
     """V2-Lite drafting with one MTP layer (random; its embedding and lm_head are the target's shapes): k = 1, 2,
     3 (--smoke: 1) at synthetic acceptance 1.5 / 2.5 / 3.5 (those a k allows)."""
@@ -183,9 +232,19 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, batch 1, to check the script on CPU")
     args = parser.parse_args(argv)
     sizes = SMOKE_SIZES if args.smoke else dataclasses.replace(Sizes(), new_tokens=128)
+    suites = args.suites.split(",")
+    if "v2_transformers" in suites:   # PyTorch in a process of its own, before JAX takes the GPU's memory here
+        if suites == ["v2_transformers"]:
+            rows = v2_transformers_suite(args.smoke, sizes)
+            print_table(rows)
+            write_json("bench_deepseek_v2_transformers", rows)
+            return
+        subprocess.run([sys.executable, __file__, "--suites", "v2_transformers"] + ["--smoke"] * args.smoke,
+                       check=True)
+        suites.remove("v2_transformers")
     bandwidth = copy_bandwidth(1 << 26) if args.smoke else copy_bandwidth()
     print(f"{jax.devices()[0].device_kind}: copy {bandwidth / 1e12:.2f} TB/s", flush=True)
-    for suite in args.suites.split(","):
+    for suite in suites:
         if suite == "v3_step":
             rows = v3_step_suite(bandwidth, args.smoke)
         elif suite == "v2_e2e":

@@ -18,6 +18,7 @@ from specjax.kernels.attention import attention, choose_attention
 from specjax.kernels.attention_reference import attention_reference
 from specjax.kernels.attention_triton import KernelConfig, attention_triton, default_config
 from specjax.kernels.policy import KernelPolicy, has_kernels
+from specjax.kernels.tree_mask import TreeMask
 
 INTERPRET = KernelPolicy(impl="triton", interpret=True)
 
@@ -142,6 +143,70 @@ def check_kernel_case(case, interpret: bool) -> None:
     expected = attention_reference(q, k, v, jnp.int32(1), start, scale=scale, window=window)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert relative_error(out, expected) < TOLERANCE[dtype]
+
+
+LATENT_CASES = [
+    # (batch, tokens, q_heads, slots, value_dim, rope_dim, dtype, config or None, starts)
+    (2, 1, 16, 64, 32, 16, jnp.float32, None, [0, 63]),                             # decode, one tile
+    (3, 3, 8, 48, 32, 16, jnp.bfloat16, KernelConfig(block_k=16, num_splits=2), [0, 20, 45]),   # verify, splits
+    (2, 2, 16, 40, 64, 16, jnp.float32, KernelConfig(block_k=16, rows_per_tile=16), [3, 38]),   # row tiles
+]
+
+
+def latent_inputs(seed, batch, tokens, q_heads, slots, value_dim, rope_dim, dtype, starts):
+    """q and a latent cache [L, B, 1, S, value_dim + rope_dim] (one kv head), NaN past each row's last token."""
+    q, k, _, start = make_inputs(seed, batch, tokens, q_heads, 1, slots, value_dim + rope_dim, dtype, starts=starts)
+    return q, k, start
+
+
+@pytest.mark.parametrize("case", LATENT_CASES)
+def test_kernel_with_the_values_inside_the_keys_matches_the_reference(case):
+    """MLA's absorbed form: keys read in two pieces, the first being the values; every output written."""
+    batch, tokens, q_heads, slots, value_dim, rope_dim, dtype, config, starts = case
+    q, cache, start = latent_inputs(3, batch, tokens, q_heads, slots, value_dim, rope_dim, dtype, starts)
+    out = attention_triton(q, cache, None, jnp.int32(1), start, scale=0.2, config=config, interpret=True,
+                           value_dim=value_dim)
+    expected = attention_reference(q, cache, None, jnp.int32(1), start, scale=0.2, value_dim=value_dim)
+    assert out.shape == (batch, tokens, q_heads, value_dim) and out.dtype == q.dtype
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+
+
+def test_values_inside_the_keys_are_the_keys_first_columns():
+    """The reference's latent form against the float64 oracle with the values spelled out as a separate cache."""
+    q, cache, start = latent_inputs(4, 2, 3, 8, 32, 32, 16, jnp.float32, [0, 29])
+    values = jnp.concatenate([cache[..., :32], jnp.zeros_like(cache[..., 32:])], axis=-1)
+    got = attention_reference(q, cache, None, 1, start, scale=0.2, value_dim=32)
+    assert relative_error(got, oracle(q, cache, values, 1, start, 0.2)[..., :32]) < 1e-5
+
+
+def test_a_tree_pass_over_a_latent_cache_matches_the_reference():
+    q, cache, start = latent_inputs(5, 2, 4, 16, 48, 32, 16, jnp.float32, [10, 40])
+    rng = np.random.default_rng(5)
+    parents = np.tril(rng.integers(0, 2, (2, 4, 4)), -1).astype(bool) | np.eye(4, dtype=bool)[None]
+    tree = TreeMask(positions=start[:, None] + jnp.asarray([[0, 1, 1, 2]] * 2, jnp.int32), region_start=start,
+                    visible=jnp.asarray(parents))
+    out = attention_triton(q, cache, None, 0, start, scale=0.2, config=KernelConfig(block_k=16), interpret=True,
+                           tree=tree, value_dim=32)
+    expected = attention_reference(q, cache, None, 0, start, scale=0.2, tree=tree, value_dim=32)
+    assert relative_error(out, expected) < 1e-5
+
+
+@pytest.mark.parametrize("value_dim, v_cache, match", [
+    (None, None, "without v_cache pass value_dim"),
+    (64, None, "without v_cache pass value_dim"),
+    (16, "given", "value_dim is for a cache whose keys hold the values"),
+])
+def test_a_latent_cache_needs_its_value_width(value_dim, v_cache, match):
+    q, cache, start = latent_inputs(6, 1, 1, 4, 16, 32, 16, jnp.float32, [0])
+    with pytest.raises(ValueError, match=match):
+        attention(q, cache, cache if v_cache else None, 0, start, scale=0.2, value_dim=value_dim)
+
+
+def test_the_latent_kernel_needs_power_of_two_pieces():
+    q, cache, start = latent_inputs(7, 1, 1, 4, 16, 32, 8, jnp.float32, [0])
+    assert choose_attention(KernelPolicy(interpret=True), q.shape, cache.shape, 32) == "reference"
+    with pytest.raises(ValueError, match="value_dim and head_dim - value_dim"):
+        attention(q, cache, None, 0, start, scale=0.2, value_dim=32, kernels=INTERPRET)
 
 
 # No shrinking: each interpret-mode example costs about a second.

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 LANES = (("bench_default_model", "bench_eagle", "bench_transformers", "bench_projection", "bench_deepseek",
           "bench_admission"),
          ("bench_engine", "bench_tp", "bench_attention", "bench_prefill", "bench_sampling", "bench_stream",
-          "bench_grouped_matmul"))
+          "bench_grouped_matmul", "bench_latent_attention"))
 SCRIPTS = sorted(name for lane in LANES for name in lane)
 REAL_MODEL = ("bench_default_model", "bench_eagle")
 # Extra environment per script: bench_tp splits its model over two (simulated) CPU devices.
@@ -52,9 +52,11 @@ EXPECTED_ROWS = {
     "bench_engine": {f"bench_engine_{suite}_auto": expected for suite, expected in ENGINE_SUITES.items()},
     "bench_tp": {"bench_tp": ("tp", [1, 2])},
     "bench_deepseek": {"bench_deepseek_v3_step": ("experts", ["kernel", "xla"]), "bench_deepseek_v2_e2e": ("experts", ["kernel", "xla"]),
-                       "bench_deepseek_mtp": ("al", [1.5])},
+                       "bench_deepseek_mtp": ("al", [1.5]),
+                       "bench_deepseek_v2_transformers": ("engine", ["transformers generate"])},
     "bench_stream": {"bench_stream": ("mode", ["generate", "generate_stream"])},
     "bench_grouped_matmul": {"bench_grouped_matmul": ("form", ["kernel", "xla gathered", "xla ragged_dot"] * 2)},
+    "bench_latent_attention": {"bench_latent_attention": ("form", ["kernel", "xla"])},
     "bench_prefill": {"bench_prefill": ("shape", ["8b", "smollm2"]), "bench_prefill_model": ("tokens", [16, 32])},
 }
 

@@ -26,8 +26,10 @@ from deepseek_checkpoints import (
 )
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2
 from transformers.models.deepseek_v3 import configuration_deepseek_v3
+from transformers import modeling_rope_utils as rope_utils
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
+from specjax.kernels import attention_reference
 from specjax.kernels.policy import KernelPolicy
 from specjax.models import fp8, mla, moe, random_init, rope
 
@@ -108,9 +110,13 @@ def test_softmax_scale_matches_deepseek_attention(case):
         assert want > (24 + head_dim) ** -0.5 * 1.01
 
 
+# transformers moved yarn_get_mscale from the DeepSeek-V3 model file to its rope utilities (5.25).
+hf_yarn_get_mscale = getattr(hf_v3, "yarn_get_mscale", None) or rope_utils.yarn_get_mscale
+
+
 def test_yarn_mscale_matches_transformers():
     for factor, mscale in [(40.0, 1.0), (4.0, 0.707), (1.0, 1.0), (0.5, 2.0)]:
-        assert rope.yarn_mscale(factor, mscale) == hf_v3.yarn_get_mscale(factor, mscale)
+        assert rope.yarn_mscale(factor, mscale) == hf_yarn_get_mscale(factor, mscale)
 
 
 def rope_inputs(head_dim: int, params: dict, seed: int = 0):
@@ -199,13 +205,13 @@ def mla_rope_settings(config) -> dict:
 
 def mla_step(x, weights, cache, layer, start, inv_freq, attention_factor, scale, *, interleaved, absorbed):
     """mla.mla_attention with the rope settings as arguments (jitted below: one compile serves every variant of
-    the same shapes)."""
+    the same shapes and softmax scale, a static float as the attention kernel takes it)."""
     rotate = functools.partial(rope.apply_rope, inv_freq=inv_freq, interleaved=interleaved,
                                attention_factor=attention_factor)
     return mla.mla_attention(x, weights, cache, layer, start, rotate=rotate, scale=scale, absorbed=absorbed)
 
 
-jitted_mla_step = jax.jit(mla_step, static_argnames=("interleaved", "absorbed"))
+jitted_mla_step = jax.jit(mla_step, static_argnames=("scale", "interleaved", "absorbed"))
 
 
 def hf_attention_rows(model, hidden: np.ndarray, lengths) -> list[np.ndarray]:
@@ -269,11 +275,13 @@ def test_mla_matches_transformers_attention_with_cache(variant, forms):
 
 @pytest.mark.parametrize("absorbed", [False, True], ids=["expanded", "absorbed"])
 def test_mla_long_prefill_in_query_chunks(monkeypatch, absorbed):
-    """A prefill of 9 tokens in chunks of 4 (padded to 12) equals transformers' attention."""
+    """A prefill of 9 tokens in chunks of 4 (padded to 12) equals transformers' attention (the expanded form chunks
+    in mla.py, the absorbed one in the attention reference)."""
     monkeypatch.setattr(mla, "QUERY_CHUNK", 4)
+    monkeypatch.setattr(attention_reference, "QUERY_CHUNK", 4)
     weights, settings, hidden, want = mla_case("v3")
     cache = jnp.full((2, 1, CACHE_SLOTS, weights["wkv_a"].shape[1]), jnp.nan, jnp.float32)
-    step = jax.jit(mla_step, static_argnames=("interleaved", "absorbed"))   # its own trace, under the patch
+    step = jax.jit(mla_step, static_argnames=("scale", "interleaved", "absorbed"))   # its own trace, under the patch
     args = (jnp.asarray(hidden[2:3, :9]), weights, cache, 1, jnp.zeros(1, jnp.int32))
     assert "scan" in str(jax.make_jaxpr(functools.partial(mla_step, **settings, absorbed=absorbed))(*args))
     out, cache = step(*args, **settings, absorbed=absorbed)
@@ -292,6 +300,29 @@ def test_absorbed_mla_runs_in_bfloat16():
                              **settings, absorbed=True)
     assert out.dtype == jnp.bfloat16
     assert relative_error(out[2].astype(jnp.float32), want[2][:9]) < 3e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_absorbed_mla_through_the_attention_kernel_equals_the_expanded_form(tokens):
+    """The absorbed form's multi-query attention over the latent cache in the interpreted Pallas kernel (keys read
+    in a 32-wide value piece and a 16-wide rope piece) against the expanded form in pure JAX, NaN past each row's
+    last written slot."""
+    H, R, rope_dim, nope, v, S = 4, 32, 16, 16, 24, 40
+    rng = np.random.default_rng(11)
+    start = np.array([0, 21], np.int32)
+    cache = rng.standard_normal((2, 2, S, R + rope_dim)).astype(np.float32)
+    for b, first in enumerate(start):
+        cache[:, b, first + tokens:] = np.nan
+    q_nope, q_rope = (jnp.asarray(rng.standard_normal((2, tokens, H, d)), jnp.float32) for d in (nope, rope_dim))
+    w_uk, w_uv = (jnp.asarray(rng.standard_normal((H, R, d)) / np.sqrt(R), jnp.float32) for d in (nope, v))
+    args = (q_nope, q_rope, jnp.asarray(cache), 1, jnp.asarray(start), w_uk, w_uv)
+    with jax.default_matmul_precision("highest"):
+        got = mla.absorbed_attention(*args, scale=0.3, kernels=KernelPolicy(impl="triton", interpret=True))
+        want = mla.expanded_attention(*args, scale=0.3)
+    assert "pallas_call" in str(jax.make_jaxpr(functools.partial(
+        mla.absorbed_attention, scale=0.3, kernels=KernelPolicy(impl="triton", interpret=True)))(*args))
+    assert np.isfinite(np.asarray(got)).all()
+    assert relative_error(got, want) < 1e-5
 
 
 def test_write_latent_places_rows_at_each_start():
@@ -379,8 +410,9 @@ def moe_in_forms(x, weights, routing, policies):
 
 
 def forms(*names, kernel=False):
-    """Kernel policies for these expert forms (the grouped one through the interpreted Pallas kernel too)."""
-    kernels = (KernelPolicy(moe_form="grouped", interpret=True),) if kernel else ()
+    """Kernel policies for these expert forms (the grouped one through the interpreted Pallas kernel too, at any
+    number of slots)."""
+    kernels = (KernelPolicy(moe_form="grouped", interpret=True, grouped_matmul_min_plain_rows=1),) if kernel else ()
     return tuple(KernelPolicy(moe_form=name) for name in names) + kernels
 
 

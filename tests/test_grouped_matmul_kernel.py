@@ -137,10 +137,11 @@ def fake_device(platform, capability=None):
 ])
 def test_the_kernel_runs_where_triton_converts_the_stacks_dtype(device, plain, fp8):
     policy = KernelPolicy(device=device)
-    assert policy.use_grouped_matmul_kernel(fp8=False) == plain
-    assert policy.use_grouped_matmul_kernel(fp8=True) == fp8
-    assert not KernelPolicy(impl="reference", device=device).use_grouped_matmul_kernel(fp8=False)
-    assert INTERPRET.use_grouped_matmul_kernel(fp8=True)
+    assert policy.use_grouped_matmul_kernel(fp8=False, rows=16) == plain
+    assert not policy.use_grouped_matmul_kernel(fp8=False, rows=15)
+    assert policy.use_grouped_matmul_kernel(fp8=True, rows=1) == fp8
+    assert not KernelPolicy(impl="reference", device=device).use_grouped_matmul_kernel(fp8=False, rows=64)
+    assert INTERPRET.use_grouped_matmul_kernel(fp8=True, rows=1)
 
 
 @pytest.mark.parametrize("change, match", [

@@ -76,6 +76,16 @@ def test_tree_attention_kernel_lowers(triton_modules, batch, nodes, slots, windo
     assert_verified(triton_modules)
 
 
+@pytest.mark.parametrize("batch, tokens, heads, slots", [(8, 1, 128, 4096), (2, 4, 16, 1024), (64, 1, 16, 32768)])
+def test_latent_attention_kernel_lowers(triton_modules, batch, tokens, heads, slots):
+    """MLA's absorbed form: DeepSeek's 576-wide latent rows, one kv head, values the first 512 columns."""
+    q = jnp.zeros((batch, tokens, heads, 576), jnp.bfloat16)
+    cache = jnp.zeros((2, batch, 1, slots, 576), jnp.bfloat16)
+    start = jnp.zeros((batch,), jnp.int32)
+    lower_for_cuda(lambda q, c, s: attention_triton(q, c, None, 1, s, scale=0.1, value_dim=512), q, cache, start)
+    assert_verified(triton_modules)
+
+
 @pytest.mark.parametrize("norm, activation, residual", [(True, None, False), (True, "swiglu", False),
                                                         (False, None, True)])
 def test_projection_kernel_lowers(triton_modules, norm, activation, residual):

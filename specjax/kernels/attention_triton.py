@@ -15,7 +15,10 @@ written anew for a stacked head-major cache):
 - loads past the last written slot are masked with a zero fill: garbage slots are
   never read, and interpret mode (which pads refs with NaN) stays exact;
 - a draft tree's pass (kernels/tree_mask.py) adds three inputs: each query's position (its window), the first
-  slot of the tree's nodes and, per query, the node slots it sees, read per block where it reaches them.
+  slot of the tree's nodes and, per query, the node slots it sees, read per block where it reaches them;
+- a latent cache (MLA's absorbed form: one kv head whose first value_dim columns are also the values, v_cache None)
+  is read once per block: the key columns in two power-of-two pieces ([0, value_dim) and the rest, 512 + 64 for
+  DeepSeek), the first piece serving as the values.
 """
 
 from __future__ import annotations
@@ -62,33 +65,48 @@ def _previous_power_of_two(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def unsupported_reason(q_shape: tuple[int, ...], cache_shape: tuple[int, ...]) -> str | None:
-    """Why the kernel cannot run these shapes, or None when it can."""
-    head_dim = q_shape[-1]
-    if head_dim < 16 or head_dim != _next_power_of_two(head_dim):
-        return f"head_dim={head_dim} must be a power of two >= 16 for the Triton kernel"
+def key_pieces(head_dim: int, value_dim: int | None) -> tuple[tuple[int, int], ...]:
+    """(first column, width) of the pieces the key columns are read in: the whole head, or with values inside the
+    keys (value_dim) the value columns and the rest."""
+    if value_dim is None or value_dim == head_dim:
+        return ((0, head_dim),)
+    return ((0, value_dim), (value_dim, head_dim - value_dim))
+
+
+def unsupported_reason(q_shape: tuple[int, ...], cache_shape: tuple[int, ...],
+                       value_dim: int | None = None) -> str | None:
+    """Why the kernel cannot run these shapes (value_dim: values are the keys' first columns), or None when it
+    can."""
+    for _, width in key_pieces(q_shape[-1], value_dim):
+        if width < 16 or width != _next_power_of_two(width):
+            what = "head_dim" if value_dim is None else "value_dim and head_dim - value_dim"
+            return f"{what} ({width}) must be powers of two >= 16 for the Triton kernel"
     if cache_shape[3] < 16:
         return f"cache length S={cache_shape[3]} must be >= 16 for the Triton kernel"
     return None
 
 
 def default_config(q_shape: tuple[int, ...], cache_shape: tuple[int, ...],
-                   sm_count: int = _DEFAULT_SM_COUNT) -> KernelConfig:
+                   sm_count: int = _DEFAULT_SM_COUNT, value_dim: int | None = None) -> KernelConfig:
     """Launch parameters for these shapes: enough programs to fill `sm_count` SMs."""
-    batch, num_tokens, num_q_heads, _ = q_shape
+    batch, num_tokens, num_q_heads, head_dim = q_shape
     num_kv_heads, num_slots = cache_shape[2], cache_shape[3]
+    value_dim = value_dim or head_dim
     rows = num_tokens * (num_q_heads // num_kv_heads)
-    rows_per_tile = min(max(_MIN_ROWS, _next_power_of_two(rows)), _MAX_ROWS_PER_TILE)
+    # At most 128 x 128 fp32 accumulators per program (32 rows of a 512-wide latent).
+    max_rows = max(_MIN_ROWS, _MAX_ROWS_PER_TILE * 128 // value_dim)
+    rows_per_tile = min(max(_MIN_ROWS, _next_power_of_two(rows)), max_rows)
     num_tiles = -(-rows // rows_per_tile)
-    # 128-slot K/V blocks; 64 when a full 128-row tile would crowd the registers.
-    block_k = min(64 if rows_per_tile >= _MAX_ROWS_PER_TILE else 128,
-                  max(16, _next_power_of_two(num_slots)))
+    # 128-slot K/V blocks; 64 when a full 128-row tile would crowd the registers; fewer for wide heads (a
+    # block of at most 32k values, 32 slots of a 576-wide latent).
+    block_k = min(64 if rows_per_tile * value_dim >= _MAX_ROWS_PER_TILE * 128 else 128,
+                  _previous_power_of_two(32768 // head_dim), max(16, _next_power_of_two(num_slots)))
     programs = batch * num_kv_heads * num_tiles
     # About two programs per SM (rounded down to a power of two: H200 sweep, RESULTS.md),
     # with at least four blocks per split of a full cache.
     wanted = _previous_power_of_two(-(-2 * sm_count // programs))
     num_splits = min(wanted, _previous_power_of_two(num_slots // (4 * block_k)), 64)
-    num_warps = 8 if rows_per_tile >= _MAX_ROWS_PER_TILE else 4
+    num_warps = 8 if rows_per_tile * value_dim >= _MAX_ROWS_PER_TILE * 128 else 4
     return KernelConfig(block_k=block_k, rows_per_tile=rows_per_tile, num_splits=num_splits,
                         num_warps=num_warps, num_stages=2)
 
@@ -105,13 +123,17 @@ def attention_triton(
     config: KernelConfig | None = None,
     interpret: bool = False,
     tree: TreeMask | None = None,
+    value_dim: int | None = None,
 ) -> jax.Array:
     """Causal GQA attention of q [B,T,Hq,D] against layer `layer` of a [L,B,Hkv,S,D] cache; `window`: the
-    sliding window in tokens (0 = none), `tree` a draft tree's mask, as in attention_reference."""
+    sliding window in tokens (0 = none), `tree` a draft tree's mask, v_cache None: the values are the keys'
+    first value_dim columns, as in attention_reference. Returns [B,T,Hq,Dv]."""
     batch, num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
+    pieces = key_pieces(head_dim, value_dim if v_cache is None else None)
+    out_dim = pieces[0][1] if v_cache is None else head_dim
     if config is None:
-        config = default_config(q.shape, k_cache.shape)
+        config = default_config(q.shape, k_cache.shape, value_dim=out_dim)
     group = num_q_heads // num_kv_heads
     num_tiles = -(-(num_tokens * group) // config.rows_per_tile)
     splits = config.num_splits
@@ -122,7 +144,8 @@ def attention_triton(
     kernel = functools.partial(
         _attention_kernel, scale=scale, group=group, num_tokens=num_tokens,
         num_q_heads=num_q_heads, rows_per_tile=config.rows_per_tile, block_k=config.block_k,
-        num_splits=splits, tree_region=0 if tree is None else tree.region,
+        num_splits=splits, tree_region=0 if tree is None else tree.region, pieces=pieces,
+        values_in_keys=v_cache is None,
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT)
     in_specs = [
         pl.BlockSpec(),  # layer: a 0-d int32, passed as is (no reshape op around the call)
@@ -132,18 +155,18 @@ def attention_triton(
         # so neither q nor the layer's K/V is ever copied.
         pl.BlockSpec(),
         pl.BlockSpec(),
-        pl.BlockSpec(),
-    ]
+    ] + ([] if v_cache is None else [pl.BlockSpec()])
+    caches = (k_cache,) if v_cache is None else (k_cache, v_cache)
     tree_inputs = ()
     if tree is not None:
         in_specs += [pl.BlockSpec(), pl.BlockSpec(), pl.BlockSpec()]
         tree_inputs = (tree.positions.astype(jnp.int32), tree.region_start.astype(jnp.int32),
                        tree.visible.astype(jnp.int32).reshape(batch * num_tokens, tree.region))
     if splits == 1:
-        out_shape = jax.ShapeDtypeStruct((flat_rows, head_dim), q.dtype)
+        out_shape = jax.ShapeDtypeStruct((flat_rows, out_dim), q.dtype)
         out_specs = pl.BlockSpec()
     else:
-        out_shape = (jax.ShapeDtypeStruct((splits, flat_rows, head_dim), jnp.float32),
+        out_shape = (jax.ShapeDtypeStruct((splits, flat_rows, out_dim), jnp.float32),
                      jax.ShapeDtypeStruct((splits, flat_rows), jnp.float32))
         out_specs = (pl.BlockSpec(), pl.BlockSpec())
     result = pl.pallas_call(
@@ -157,10 +180,10 @@ def attention_triton(
         interpret=interpret,
         name="specjax_decode_attention",
     )(jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32), start.astype(jnp.int32),
-      q.reshape(flat_rows, head_dim), k_cache, v_cache, *tree_inputs)
+      q.reshape(flat_rows, head_dim), *caches, *tree_inputs)
     if splits > 1:
         result = _merge_splits(*result).astype(q.dtype)
-    return result.reshape(q.shape)
+    return result.reshape(*q.shape[:-1], out_dim)
 
 
 def _merge_splits(partial_out: jax.Array, partial_lse2: jax.Array) -> jax.Array:
@@ -171,12 +194,17 @@ def _merge_splits(partial_out: jax.Array, partial_lse2: jax.Array) -> jax.Array:
     return (partial_out * weights[..., None]).sum(axis=0) / weights.sum(axis=0)[..., None]
 
 
-def _attention_kernel(layer_ref, window_ref, start_ref, q_ref, k_ref, v_ref, *refs,
+def _attention_kernel(layer_ref, window_ref, start_ref, q_ref, k_ref, *refs,
                       scale: float, group: int, num_tokens: int, num_q_heads: int,
                       rows_per_tile: int, block_k: int, num_splits: int, tree_region: int,
+                      pieces: tuple[tuple[int, int], ...], values_in_keys: bool,
                       precision: lax.Precision) -> None:
-    """One (b, kv head, split, row tile): online softmax over this split's visible KV blocks. With a tree
-    (tree_region > 0) the first three of `refs` are its positions, region start and visible rows."""
+    """One (b, kv head, split, row tile): online softmax over this split's visible KV blocks. `refs` starts with
+    the values' cache unless values_in_keys (then the first key piece's block is the values), then with a tree
+    (tree_region > 0) its positions, region start and visible rows."""
+    v_ref = None
+    if not values_in_keys:
+        v_ref, *refs = refs
     if tree_region:
         positions_ref, region_ref, tree_visible_ref, *refs = refs
     out_ref, lse_ref = refs if len(refs) == 2 else (refs[0], None)
@@ -191,7 +219,8 @@ def _attention_kernel(layer_ref, window_ref, start_ref, q_ref, k_ref, v_ref, *re
     # point one past the end of the array, where a masked access never lands.
     flat_row = jnp.where(real_row, (b * num_tokens + token) * num_q_heads + h * group + lax.rem(row, group),
                          q_ref.shape[0])[:, None]
-    columns = lax.broadcasted_iota(jnp.int32, (1, q_ref.shape[1]), 1)
+    piece_columns = [first + lax.broadcasted_iota(jnp.int32, (1, width), 1) for first, width in pieces]
+    columns = piece_columns[0] if values_in_keys else lax.broadcasted_iota(jnp.int32, (1, q_ref.shape[1]), 1)
     # The slots each row sees: [row_first, row_end), its token's slot + 1 being the end (a tree's rows see no
     # later slot either, and their prefix from their own position's window).
     row_end = start + token + 1
@@ -215,7 +244,7 @@ def _attention_kernel(layer_ref, window_ref, start_ref, q_ref, k_ref, v_ref, *re
     hi = jnp.minimum(lo + per_split, tile_end)
     num_blocks = jnp.maximum(pl.cdiv(hi - lo, block_k), 0)
 
-    q = plt.load(q_ref.at[flat_row, columns], mask=real_row[:, None], other=0.0)
+    q = [plt.load(q_ref.at[flat_row, cols], mask=real_row[:, None], other=0.0) for cols in piece_columns]
     # Softmax in base 2: fold log2(e) into the scale so exp2 replaces exp.
     scale2 = scale * _LOG2_E
     offsets = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
@@ -227,8 +256,10 @@ def _attention_kernel(layer_ref, window_ref, start_ref, q_ref, k_ref, v_ref, *re
         # Zero-fill past `hi` (<= last written slot + 1 <= S): never reads garbage or out of bounds.
         loadable = (slots < hi)[:, None]
         block = pl.ds(pl.multiple_of(first, block_k), block_k)
-        k = plt.load(k_ref.at[layer, b, h, block, :], mask=loadable, other=0.0)
-        logits = plt.dot(q, k, trans_b=True, precision=precision) * scale2
+        k = [plt.load(k_ref.at[layer, b, h, block, pl.ds(start_col, width)], mask=loadable, other=0.0)
+             for start_col, width in pieces]
+        logits = sum(plt.dot(q_piece, k_piece, trans_b=True, precision=precision)
+                     for q_piece, k_piece in zip(q, k)) * scale2
         visible = (slots[None, :] < row_end[:, None]) & (slots[None, :] >= row_first[:, None])
         if in_tree:
             offset = slots[None, :] - region
@@ -241,11 +272,11 @@ def _attention_kernel(layer_ref, window_ref, start_ref, q_ref, k_ref, v_ref, *re
         new_max = jnp.maximum(row_max, logits.max(axis=1))
         rescale = jnp.exp2(row_max - new_max)
         probs = jnp.exp2(logits - new_max[:, None])
-        v = plt.load(v_ref.at[layer, b, h, block, :], mask=loadable, other=0.0)
+        v = k[0] if values_in_keys else plt.load(v_ref.at[layer, b, h, block, :], mask=loadable, other=0.0)
         acc = acc * rescale[:, None] + plt.dot(probs.astype(v.dtype), v, precision=precision)
         return acc, new_max, row_sum * rescale + probs.sum(axis=1)
 
-    carry = (jnp.zeros(q.shape, jnp.float32),
+    carry = (jnp.zeros((rows_per_tile, columns.shape[1]), jnp.float32),
              jnp.full((rows_per_tile,), _MAX_INIT, jnp.float32),
              jnp.zeros((rows_per_tile,), jnp.float32))
     # A tree's mask is read only in the blocks that reach its region: the prefix blocks before it run as plain.

@@ -49,6 +49,12 @@ class GroupedMatmulConfig:
     k_splits: int | None = None   # None: default_k_splits
 
 
+def default_config(groups: int) -> GroupedMatmulConfig:
+    """Launch parameters for a stack of `groups` matrices: narrow column blocks for MoE experts (a few rows each),
+    wide ones with 8 warps for one dense matrix (an H200 sweep, benchmarks/RESULTS.md)."""
+    return GroupedMatmulConfig(block_n=64, num_warps=8) if groups == 1 else GroupedMatmulConfig()
+
+
 def default_k_splits(column_blocks: int, k_chunks: int) -> int:
     """Enough splits of K for one tile's programs to reach _TARGET_PROGRAMS, whole chunks each, at most one
     split per chunk."""
@@ -82,9 +88,9 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
                           interpret: bool = False) -> jax.Array:
     """specjax.kernels.grouped_matmul_reference, as one kernel (rows past sum(group_sizes) are left unwritten;
     the dispatcher zeroes them)."""
-    config = config or GroupedMatmulConfig()
     rows, in_features = x.shape
     groups, _, out_features = w.shape
+    config = config or default_config(groups)
     pairs = w.dtype.itemsize == 1
     stored = _as_pairs(w) if pairs else w
     block_k = block[0] if scale is not None else config.block_k

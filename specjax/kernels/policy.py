@@ -45,8 +45,11 @@ class KernelPolicy:
     # MoE experts: "auto" (the grouped matmul kernel where kernels run; elsewhere gathered slices at decode,
     # grouped matmuls beyond), "dense", "grouped", "gathered".
     moe_form: str = "auto"
-    # The grouped matmul kernel for MoE experts and few-row FP8 projections where kernels run (False: XLA's).
+    # The grouped matmul kernel for MoE experts and few-row FP8 projections where kernels run (False: XLA's);
+    # a plain (not FP8) stack from this many rows: below it XLA's gathered slices were faster (V2-Lite bf16 at
+    # 6 rows), while FP8 stacks take the kernel at any size (XLA's forms dequantize them first).
     grouped_matmul_kernel: bool = True
+    grouped_matmul_min_plain_rows: int = 16
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
@@ -74,13 +77,15 @@ class KernelPolicy:
         small = rows <= self.projection_max_rows and weight_bytes <= self.projection_max_weight_bytes
         return mode == "triton" or (mode == "auto" and small)
 
-    def use_grouped_matmul_kernel(self, fp8: bool) -> bool:
-        """Whether a grouped matmul (MoE experts) runs the kernel: wherever kernels run (it reads only the
-        selected experts at any size), FP8 stacks on sm_89+ only."""
+    def use_grouped_matmul_kernel(self, fp8: bool, rows: int) -> bool:
+        """Whether a grouped matmul of `rows` rows (MoE token-slots) runs the kernel: FP8 stacks wherever kernels
+        run on sm_89+, plain stacks from grouped_matmul_min_plain_rows rows."""
         mode = self.mode()
         if mode != "auto":
             return mode == "triton"
-        fp8_ok = self.interpret or not fp8 or has_kernels(self._device(), _MIN_FP8_COMPUTE_CAPABILITY)
+        if not fp8:
+            return self.grouped_matmul_kernel and rows >= self.grouped_matmul_min_plain_rows
+        fp8_ok = self.interpret or has_kernels(self._device(), _MIN_FP8_COMPUTE_CAPABILITY)
         return self.grouped_matmul_kernel and fp8_ok
 
     def use_search(self, elements: int) -> bool:

@@ -75,7 +75,7 @@ def linear(x: jax.Array, weights: Mapping[str, jax.Array], name: str, block: tup
     if scale is None:
         return x @ weights[name]
     tokens = math.prod(x.shape[:-1])
-    if tokens < block[0] and kernels.use_grouped_matmul_kernel(fp8=True):
+    if tokens < block[0] and kernels.use_grouped_matmul_kernel(fp8=True, rows=tokens):
         out = grouped_matmul(x.reshape(tokens, -1), weights[name][None], jnp.full((1,), tokens, jnp.int32),
                              scale=scale[None], block=block, kernels=kernels)
         return out.reshape(*x.shape[:-1], -1)

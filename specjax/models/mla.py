@@ -25,7 +25,8 @@ Expanded form (`expanded_attention`): the latent rows are up-projected to per-he
 nope + rope) and values (width v), then ordinary attention; what transformers computes, and the form to use where
 queries outnumber cached tokens per head (prefill). Absorbed form (`absorbed_attention`): W_UK moves into the query
 (q_lat = q_nope W_UK^T per head), scores are q_lat·c_kv + q_rope·k_rope straight against the cache, the
-probabilities average c_kv, and W_UV maps the result to v per head; it reads only the latent rows (decode, verify).
+probabilities average c_kv, and W_UV maps the result to v per head; it reads only the latent rows (decode, verify),
+through the attention dispatcher (kernels/attention.py: the Pallas kernel where kernels run).
 Both use the engine's causal convention (specjax.kernels.attention_reference): query t of row b sits at position
 start[b] + t and sees slots <= start[b] + t; slots past the last one this call wrote may hold garbage (NaN) and
 are zeroed before use; long query blocks run in chunks of QUERY_CHUNK.
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from specjax.kernels.attention import attention
 from specjax.kernels.attention_reference import QUERY_CHUNK
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.projection_reference import rms_norm
@@ -128,20 +130,16 @@ def write_latent(cache: jax.Array, layer: jax.Array | int, rows: jax.Array, star
 
 def absorbed_attention(q_nope: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: jax.Array | int,
                        start: jax.Array, w_uk: jax.Array, w_uv: jax.Array, *, scale: float,
-                       tree: TreeMask | None = None) -> jax.Array:
+                       tree: TreeMask | None = None, kernels: KernelPolicy = KernelPolicy()) -> jax.Array:
     """Per-head outputs [B, T, H, v] of queries (q_nope [B, T, H, nope], rotated q_rope [B, T, H, rope]) against
-    the latent cache, with W_UK absorbed into the queries and W_UV applied after the average over c_kv. A draft
-    tree's pass (`tree`) sees the slots its mask gives."""
-    def attend(queries, latent, first_position):
-        nope, rope = queries
-        rank = w_uk.shape[1]
-        q = jnp.concatenate([jnp.einsum("bthn,hrn->bthr", nope, w_uk), rope], axis=-1)   # [B, T, H, R + rope]
-        logits = jnp.einsum("bthd,bsd->bhts", q, latent, preferred_element_type=jnp.float32) * scale
-        probs = _masked_softmax(logits, first_position, tree)
-        out_latent = jnp.einsum("bhts,bsr->bthr", probs, latent[..., :rank].astype(jnp.float32))
-        return jnp.einsum("bthr,hrv->bthv", out_latent.astype(nope.dtype), w_uv)
-
-    return _latent_attention(attend, q_nope, q_rope, cache, layer, start)
+    the latent cache, with W_UK absorbed into the queries and W_UV applied after the average over c_kv: multi-query
+    attention over the cache as one kv head whose first kv_lora_rank columns are the values (the attention
+    kernel where `kernels` runs it). A draft tree's pass (`tree`) sees the slots its mask gives."""
+    rank = w_uk.shape[1]
+    q = jnp.concatenate([jnp.einsum("bthn,hrn->bthr", q_nope, w_uk), q_rope], axis=-1)   # [B, T, H, R + rope]
+    out_latent = attention(q.astype(cache.dtype), cache[:, :, None], None, layer, start, scale=scale,
+                           value_dim=rank, kernels=kernels, tree=tree)
+    return jnp.einsum("bthr,hrv->bthv", out_latent.astype(q_nope.dtype), w_uv)
 
 
 def expanded_attention(q_nope: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: jax.Array | int,
@@ -215,7 +213,7 @@ def mla_attention(x: jax.Array, weights: dict, cache: jax.Array, layer: jax.Arra
     attention_factor=...)) to q's rope part and to the one shared k_rope head; `scale` is the softmax scale
     (rope.yarn_softmax_scale); `block` the FP8 weights' block shape ([in, out] orientation); `tree` a draft
     tree's pass (its tokens at tree.positions, written at slots start[b] + t); `kernels` how FP8 projections
-    run (fp8.linear)."""
+    (fp8.linear) and the absorbed form's attention run."""
     batch, num_tokens = x.shape[:2]
     positions = (start.astype(jnp.int32)[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :] if tree is None
                  else tree.positions)
@@ -224,6 +222,10 @@ def mla_attention(x: jax.Array, weights: dict, cache: jax.Array, layer: jax.Arra
     q_rope = rotate(q_rope, positions)
     k_rope = rotate(k_rope[:, :, None, :], positions)[:, :, 0, :]
     cache = write_latent(cache, layer, jnp.concatenate([c_kv, k_rope], axis=-1), start)
-    attention = absorbed_attention if absorbed else expanded_attention
-    heads = attention(q_nope, q_rope, cache, layer, start, weights["w_uk"], weights["w_uv"], scale=scale, tree=tree)
+    if absorbed:
+        heads = absorbed_attention(q_nope, q_rope, cache, layer, start, weights["w_uk"], weights["w_uv"], scale=scale,
+                                   tree=tree, kernels=kernels)
+    else:
+        heads = expanded_attention(q_nope, q_rope, cache, layer, start, weights["w_uk"], weights["w_uv"], scale=scale,
+                                   tree=tree)
     return linear(heads.reshape(batch, num_tokens, -1), weights, "wo", block, kernels), cache

@@ -16,9 +16,10 @@ Expert forms (`routed_experts`): "dense" runs every expert on every token and co
 reference); "grouped" sorts the token-slots by expert and runs grouped matmuls; "gathered" gathers the selected
 experts' weight slices per token-slot and runs batched matvecs, so a step reads only those N*k slices (at decode
 k of E). Where the kernel policy runs kernels, "grouped" is the Pallas grouped matmul (kernels/grouped_matmul.py),
-which reads each selected expert once per 16 of its slots, FP8 weights as they are stored, and "auto" takes it at
-every size; elsewhere "grouped" is `jax.lax.ragged_dot` over dequantized stacks (on CPU a dense masked matmul over
-all groups) and "auto" takes "gathered" while N*k <= E and "grouped" beyond.
+which reads each selected expert once per 16 of its slots, FP8 weights as they are stored, and "auto" takes it for
+FP8 stacks at every size and for plain ones from KernelPolicy.grouped_matmul_min_plain_rows slots; elsewhere
+"grouped" is `jax.lax.ragged_dot` over dequantized stacks (on CPU a dense masked matmul over all groups) and "auto"
+takes "gathered" while N*k <= E and "grouped" beyond.
 """
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: Ma
     """Σ_j weights[n, j] · Expert_{ids[n, j]}(x[n]) for tokens x [N, hidden], in the chosen form (module doc).
     experts: we_gate, we_up, we_down (and their `_scale` leaves with `block`)."""
     num_slots, num_experts = ids.size, experts["we_gate"].shape[0]
-    kernel = kernels.use_grouped_matmul_kernel(fp8=experts["we_gate"].dtype.itemsize == 1)
+    kernel = kernels.use_grouped_matmul_kernel(fp8=experts["we_gate"].dtype.itemsize == 1, rows=num_slots)
     if form == "auto":
         form = "gathered" if num_slots <= num_experts and not kernel else "grouped"
     forms = {"dense": _dense_experts, "grouped": _grouped_experts, "gathered": _gathered_experts}

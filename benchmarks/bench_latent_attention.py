@@ -1,0 +1,130 @@
+"""MLA's absorbed decode attention (DeepSeek-V2/V3): multi-query attention over the 576-wide latent cache (values
+its first 512 columns), the Pallas kernel against XLA's reference, in GB/s of latent rows read over the copy
+bandwidth measured in the same process (FlashMLA's published anchor: ~3000 GB/s on an H800).
+
+Heads: 128 (DeepSeek-V3 on one device) and 16 (V2-Lite, or V3 over 8 devices); context 4k-32k, batch 8-64, T = 1.
+Each timed call reads a different layer of a cache of several layers (more bytes than the 50 MB L2), and the device
+time comes from a profiler trace. `--sweep` times launch parameters at a few shapes.
+
+    PYTHONPATH=. python benchmarks/bench_latent_attention.py [--sweep] [--smoke]
+
+Writes $OUT/bench_latent_attention.json (and bench_latent_attention_sweep.json) and prints each row as it comes.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import copy_bandwidth, interpret_kernels, print_table, relative_error, write_json
+from benchmarks.device_trace import busy_ns, traced_kernels
+from specjax.kernels.attention_reference import attention_reference
+from specjax.kernels.attention_triton import KernelConfig, attention_triton, default_config
+
+RANK, ROPE = 512, 64
+WIDTH = RANK + ROPE
+SHAPES = {128: [(b, c) for b in (8, 16, 32, 64) for c in (4096, 8192, 16384, 32768)],
+          16: [(b, c) for b in (8, 64) for c in (4096, 32768)]}
+SWEEP_SHAPES = ((128, 8, 4096), (128, 64, 16384), (16, 64, 32768))
+SWEEP = {"block_k": (16, 32, 64), "rows_per_tile": (16, 32, 64), "num_warps": (4, 8)}
+SMOKE_SHAPES = {4: [(2, 64)]}
+ROTATION_BYTES = 1 << 30
+CALLS = 3
+
+
+def cache_layers(batch: int, context: int, smoke: bool) -> int:
+    """Layers to cycle through so that consecutive calls do not find their rows in L2."""
+    return 2 if smoke else int(min(16, max(2, math.ceil(ROTATION_BYTES / (batch * context * WIDTH * 2)))))
+
+
+def inputs(heads: int, batch: int, context: int, layers: int):
+    key = jax.random.key(batch * 7919 + context + heads)
+    q = jax.random.normal(key, (batch, 1, heads, WIDTH), jnp.bfloat16)
+    cache = jax.random.normal(jax.random.fold_in(key, 1), (layers, batch, 1, context, WIDTH), jnp.bfloat16)
+    return q, cache, jnp.full((batch,), context - 1, jnp.int32)
+
+
+def device_ms(fn, q, cache, start, layers: int) -> float:
+    """Device-busy ms per call of fn(q, cache, layer, start), each call on the next layer; NaN off GPUs."""
+    call = jax.jit(fn)
+    layer_ids = [jnp.int32(i % layers) for i in range(CALLS * layers)]
+    jax.block_until_ready([call(q, cache, layer, start) for layer in layer_ids[:layers]])
+    kernels = traced_kernels(lambda: [call(q, cache, layer, start) for layer in layer_ids])
+    return busy_ns(kernels) / len(layer_ids) / 1e6 if kernels else float("nan")
+
+
+def kernel_fn(config: KernelConfig | None, interpret: bool):
+    scale = (128 + ROPE) ** -0.5
+    return lambda q, cache, layer, start: attention_triton(q, cache, None, layer, start, scale=scale, config=config,
+                                                           value_dim=RANK, interpret=interpret)
+
+
+def reference_fn(q, cache, layer, start):
+    return attention_reference(q, cache, None, layer, start, scale=(128 + ROPE) ** -0.5, value_dim=RANK)
+
+
+def form_rows(shapes: dict, bandwidth: float, smoke: bool) -> list[dict]:
+    interpret = interpret_kernels()
+    rows = []
+    for heads, cases in shapes.items():
+        for batch, context in cases:
+            layers = cache_layers(batch, context, smoke)
+            q, cache, start = inputs(heads, batch, context, layers)
+            read_gb = batch * context * WIDTH * 2 / 1e9
+            want = jax.jit(reference_fn)(q, cache, 0, start)
+            config = default_config(q.shape, cache.shape, value_dim=RANK)
+            for form, fn in (("kernel", kernel_fn(None, interpret)), ("xla", reference_fn)):
+                ms = device_ms(fn, q, cache, start, layers)
+                row = dict(heads=heads, batch=batch, context=context, form=form, ms=ms, GBps=read_gb / ms * 1e3,
+                           of_copy=read_gb / ms * 1e12 / bandwidth,
+                           rel_err=relative_error(jax.jit(fn)(q, cache, 0, start), want))
+                if form == "kernel":
+                    row.update(block_k=config.block_k, rows_per_tile=config.rows_per_tile,
+                               splits=config.num_splits, num_warps=config.num_warps)
+                rows.append(row)
+                print_table([row])
+            del q, cache
+    return rows
+
+
+def sweep_rows(shapes, bandwidth: float, smoke: bool) -> list[dict]:
+    interpret = interpret_kernels()
+    rows = []
+    for heads, batch, context in shapes:
+        layers = cache_layers(batch, context, smoke)
+        q, cache, start = inputs(heads, batch, context, layers)
+        read_gb = batch * context * WIDTH * 2 / 1e9
+        splits = default_config(q.shape, cache.shape, value_dim=RANK).num_splits
+        for values in itertools.product(*SWEEP.values()):
+            config = KernelConfig(**dict(zip(SWEEP, values)), num_splits=splits)
+            try:
+                ms = device_ms(kernel_fn(config, interpret), q, cache, start, layers)
+            except Exception as error:  # a variant needing more shared memory or registers than the SM has
+                print(f"{config}: failed: {str(error)[:160]}", flush=True)
+                continue
+            row = dict(heads=heads, batch=batch, context=context, **dict(zip(SWEEP, values)), splits=splits, ms=ms,
+                       GBps=read_gb / ms * 1e3, of_copy=read_gb / ms * 1e12 / bandwidth)
+            rows.append(row)
+            print_table([row])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="also time the kernel's launch parameters")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script")
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth(64 << 20 if args.smoke else 2 << 30)
+    print(f"{jax.devices()[0].device_kind}: copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+    print("wrote", write_json("bench_latent_attention", form_rows(SMOKE_SHAPES if args.smoke else SHAPES, bandwidth,
+                                                                  args.smoke)))
+    if args.sweep:
+        shapes = ((4, 2, 64),) if args.smoke else SWEEP_SHAPES
+        print("wrote", write_json("bench_latent_attention_sweep", sweep_rows(shapes, bandwidth, args.smoke)))
+
+
+if __name__ == "__main__":
+    main()
