@@ -2,7 +2,8 @@
 
 Flash-decoding structure (after the facts of JAX's `pallas/ops/gpu/decode_attention.py`,
 written anew for a stacked head-major cache):
-- one program per (batch row b, kv head h, KV split, row tile); the G = Hq / Hkv query
+- one program per (row tile, batch row b, kv head h, KV split), the row tile varying fastest in the launch so that
+  the tiles reading one KV block run side by side and share it through L2; the G = Hq / Hkv query
   heads of kv head h and the T tokens are folded into the rows of one [T*G, D] matrix
   (row r = t * G + g), so one K/V block read from memory serves every query that needs it;
 - each program walks KV blocks only over the slots its rows can see: up to start + t, and from the
@@ -97,16 +98,16 @@ def default_config(q_shape: tuple[int, ...], cache_shape: tuple[int, ...],
     max_rows = max(_MIN_ROWS, _MAX_ROWS_PER_TILE * 128 // value_dim)
     rows_per_tile = min(max(_MIN_ROWS, _next_power_of_two(rows)), max_rows)
     num_tiles = -(-rows // rows_per_tile)
-    # 128-slot K/V blocks; 64 when a full 128-row tile would crowd the registers; fewer for wide heads (a
-    # block of at most 32k values, 32 slots of a 576-wide latent).
+    # 128-slot K/V blocks; 64 when a full 128-row tile would crowd the registers or the head is wide (a
+    # 576-wide latent: the H200 sweep's best, RESULTS.md).
     block_k = min(64 if rows_per_tile * value_dim >= _MAX_ROWS_PER_TILE * 128 else 128,
-                  _previous_power_of_two(32768 // head_dim), max(16, _next_power_of_two(num_slots)))
+                  _previous_power_of_two(65536 // head_dim), max(16, _next_power_of_two(num_slots)))
     programs = batch * num_kv_heads * num_tiles
     # About two programs per SM (rounded down to a power of two: H200 sweep, RESULTS.md),
     # with at least four blocks per split of a full cache.
     wanted = _previous_power_of_two(-(-2 * sm_count // programs))
     num_splits = min(wanted, _previous_power_of_two(num_slots // (4 * block_k)), 64)
-    num_warps = 8 if rows_per_tile * value_dim >= _MAX_ROWS_PER_TILE * 128 else 4
+    num_warps = 8 if rows_per_tile >= _MAX_ROWS_PER_TILE else 4
     return KernelConfig(block_k=block_k, rows_per_tile=rows_per_tile, num_splits=num_splits,
                         num_warps=num_warps, num_stages=2)
 
@@ -150,7 +151,7 @@ def attention_triton(
     in_specs = [
         pl.BlockSpec(),  # layer: a 0-d int32, passed as is (no reshape op around the call)
         pl.BlockSpec(),  # window: likewise
-        pl.BlockSpec((1,), lambda b, h, j, i: (b,)),
+        pl.BlockSpec((1,), lambda i, b, h, j: (b,)),
         # Unblocked: the kernel indexes rows of q and the layer of the cache itself,
         # so neither q nor the layer's K/V is ever copied.
         pl.BlockSpec(),
@@ -171,7 +172,7 @@ def attention_triton(
         out_specs = (pl.BlockSpec(), pl.BlockSpec())
     result = pl.pallas_call(
         kernel,
-        grid=(batch, num_kv_heads, splits, num_tiles),
+        grid=(num_tiles, batch, num_kv_heads, splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -208,7 +209,7 @@ def _attention_kernel(layer_ref, window_ref, start_ref, q_ref, k_ref, *refs,
     if tree_region:
         positions_ref, region_ref, tree_visible_ref, *refs = refs
     out_ref, lse_ref = refs if len(refs) == 2 else (refs[0], None)
-    b, h, split, tile = (pl.program_id(axis) for axis in range(4))
+    tile, b, h, split = (pl.program_id(axis) for axis in range(4))
     layer = layer_ref[...]
     window = window_ref[...]
     start = start_ref[0]
