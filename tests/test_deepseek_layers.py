@@ -525,6 +525,25 @@ def test_fp8_linear_through_the_kernel_matches_fp8_matmul(tokens):
     assert kernel_calls(x.size // 300) == 1 and kernel_calls(block[0]) == 0
 
 
+def test_plain_linear_at_decode_sizes_runs_the_kernel_as_one_group():
+    """A bf16 / fp32 projection of a few rows under a kernel policy is the interpreted grouped matmul's, equal to
+    x @ w; past the policy's dense_kernel_max_plain_rows it is XLA's matmul."""
+    weights = {"w": jnp.asarray(random_weight((200, 300)).T)}
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((2, 3, 300)), jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        want = x @ weights["w"]
+        got = fp8.linear(x, weights, "w", None, KernelPolicy(interpret=True))
+    assert got.shape == want.shape
+    assert relative_error(got, np.asarray(want, np.float64)) < 1e-6
+
+    def kernel_calls(rows):
+        linear = jax.make_jaxpr(lambda x: fp8.linear(x, weights, "w", None, KernelPolicy(interpret=True)))
+        return str(linear(jnp.zeros((rows, 300)))).count("pallas_call")
+
+    limit = KernelPolicy().dense_kernel_max_plain_rows
+    assert kernel_calls(limit) == 1 and kernel_calls(limit + 1) == 0
+
+
 def test_fp8_experts_are_gathered_as_bytes_never_widened_whole():
     """XLA's CPU backend widens a float8 gather's whole operand to float16 before gathering: the taken slices must
     be gathered first, then dequantized."""

@@ -137,11 +137,13 @@ def fake_device(platform, capability=None):
 ])
 def test_the_kernel_runs_where_triton_converts_the_stacks_dtype(device, plain, fp8):
     policy = KernelPolicy(device=device)
-    assert policy.use_grouped_matmul_kernel(fp8=False, rows=16) == plain
-    assert not policy.use_grouped_matmul_kernel(fp8=False, rows=15)
-    assert policy.use_grouped_matmul_kernel(fp8=True, rows=1) == fp8
-    assert not KernelPolicy(impl="reference", device=device).use_grouped_matmul_kernel(fp8=False, rows=64)
-    assert INTERPRET.use_grouped_matmul_kernel(fp8=True, rows=1)
+    assert policy.use_grouped_matmul_kernel(fp8=False, rows=16, groups=8) == plain
+    assert not policy.use_grouped_matmul_kernel(fp8=False, rows=15, groups=8)      # experts: from 16 slots
+    assert policy.use_grouped_matmul_kernel(fp8=False, rows=1, groups=1) == plain  # one dense matrix: few rows
+    assert not policy.use_grouped_matmul_kernel(fp8=False, rows=17, groups=1)
+    assert policy.use_grouped_matmul_kernel(fp8=True, rows=1, groups=8) == fp8
+    assert not KernelPolicy(impl="reference", device=device).use_grouped_matmul_kernel(fp8=False, rows=64, groups=8)
+    assert INTERPRET.use_grouped_matmul_kernel(fp8=True, rows=1, groups=8)
 
 
 @pytest.mark.parametrize("change, match", [

@@ -17,7 +17,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, scale:
     with `scale` [G, ceil(K/b0), ceil(N/b1)] (block b = `block`) w holds FP8 codes and each block's partial
     product is scaled. Rows past sum(group_sizes) are zero. Output in x's dtype."""
     _check_inputs(x, w, group_sizes, scale, block)
-    if kernels.use_grouped_matmul_kernel(fp8=w.dtype.itemsize == 1, rows=x.shape[0]):
+    if kernels.use_grouped_matmul_kernel(fp8=w.dtype.itemsize == 1, rows=x.shape[0], groups=w.shape[0]):
         out = grouped_matmul_triton(x, w, group_sizes, scale=scale, block=block, config=config,
                                     interpret=kernels.interpret)
         return jnp.where((jnp.arange(x.shape[0]) < group_sizes.sum())[:, None], out, 0)

@@ -45,11 +45,15 @@ class KernelPolicy:
     # MoE experts: "auto" (the grouped matmul kernel where kernels run; elsewhere gathered slices at decode,
     # grouped matmuls beyond), "dense", "grouped", "gathered".
     moe_form: str = "auto"
-    # The grouped matmul kernel for MoE experts and few-row FP8 projections where kernels run (False: XLA's);
-    # a plain (not FP8) stack from this many rows: below it XLA's gathered slices were faster (V2-Lite bf16 at
-    # 6 rows), while FP8 stacks take the kernel at any size (XLA's forms dequantize them first).
+    # The grouped matmul kernel for MoE experts and few-row projections where kernels run (False: XLA's).
+    # A plain (not FP8) stack of experts from this many rows: below it XLA's gathered slices were faster (V2-Lite
+    # bf16 at 6 rows: the sort and tile table around the call cost more launches than the bytes saved), while FP8
+    # stacks take the kernel at any size (XLA's forms dequantize them first). A single plain matrix (a dense
+    # projection) takes it up to dense_kernel_max_plain_rows rows, one tile (XLA's bf16 matvecs there ran at about
+    # a quarter of the copy bandwidth); FP8 ones below their block's rows (models/fp8.py `linear`).
     grouped_matmul_kernel: bool = True
     grouped_matmul_min_plain_rows: int = 16
+    dense_kernel_max_plain_rows: int = 16
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
@@ -77,14 +81,17 @@ class KernelPolicy:
         small = rows <= self.projection_max_rows and weight_bytes <= self.projection_max_weight_bytes
         return mode == "triton" or (mode == "auto" and small)
 
-    def use_grouped_matmul_kernel(self, fp8: bool, rows: int) -> bool:
-        """Whether a grouped matmul of `rows` rows (MoE token-slots) runs the kernel: FP8 stacks wherever kernels
-        run on sm_89+, plain stacks from grouped_matmul_min_plain_rows rows."""
+    def use_grouped_matmul_kernel(self, fp8: bool, rows: int, groups: int) -> bool:
+        """Whether a grouped matmul of `rows` rows over `groups` matrices runs the kernel: FP8 stacks wherever
+        kernels run on sm_89+; plain stacks of experts from grouped_matmul_min_plain_rows rows, a single plain
+        matrix up to dense_kernel_max_plain_rows."""
         mode = self.mode()
         if mode != "auto":
             return mode == "triton"
         if not fp8:
-            return self.grouped_matmul_kernel and rows >= self.grouped_matmul_min_plain_rows
+            fits = (rows <= self.dense_kernel_max_plain_rows if groups == 1
+                    else rows >= self.grouped_matmul_min_plain_rows)
+            return self.grouped_matmul_kernel and fits
         fp8_ok = self.interpret or has_kernels(self._device(), _MIN_FP8_COMPUTE_CAPABILITY)
         return self.grouped_matmul_kernel and fp8_ok
 

@@ -68,17 +68,19 @@ def fp8_matmul(x: jax.Array, w_fp8: jax.Array, scale_inv: jax.Array,
 def linear(x: jax.Array, weights: Mapping[str, jax.Array], name: str, block: tuple[int, int] | None,
            kernels: KernelPolicy = KernelPolicy()) -> jax.Array:
     """x @ weights[name]: through its block scales `weights[name + "_scale"]` (shape `block`, [in, out]
-    orientation) when the weight is FP8, a plain matmul otherwise. Fewer tokens than a block's rows (decode and
-    verify), where kernels run, FP8 goes through the grouped matmul kernel as one group: the codes are read as
-    stored, with the same per-block scaling as fp8_matmul's."""
+    orientation) when the weight is FP8, a plain matmul otherwise. At decode and verify sizes, where kernels run
+    (KernelPolicy.use_grouped_matmul_kernel), the product is the grouped matmul kernel's with one group: FP8 codes
+    read as stored, with the same per-block scaling as fp8_matmul's, below a block's rows of tokens; a plain
+    weight at the policy's few rows."""
     scale = weights.get(name + "_scale")
-    if scale is None:
-        return x @ weights[name]
     tokens = math.prod(x.shape[:-1])
-    if tokens < block[0] and kernels.use_grouped_matmul_kernel(fp8=True, rows=tokens):
+    fp8 = scale is not None
+    if (not fp8 or tokens < block[0]) and kernels.use_grouped_matmul_kernel(fp8=fp8, rows=tokens, groups=1):
         out = grouped_matmul(x.reshape(tokens, -1), weights[name][None], jnp.full((1,), tokens, jnp.int32),
-                             scale=scale[None], block=block, kernels=kernels)
+                             scale=scale[None] if fp8 else None, block=block if fp8 else None, kernels=kernels)
         return out.reshape(*x.shape[:-1], -1)
+    if not fp8:
+        return x @ weights[name]
     return fp8_matmul(x, weights[name], scale, block)
 
 

@@ -103,7 +103,8 @@ def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: Ma
     """Σ_j weights[n, j] · Expert_{ids[n, j]}(x[n]) for tokens x [N, hidden], in the chosen form (module doc).
     experts: we_gate, we_up, we_down (and their `_scale` leaves with `block`)."""
     num_slots, num_experts = ids.size, experts["we_gate"].shape[0]
-    kernel = kernels.use_grouped_matmul_kernel(fp8=experts["we_gate"].dtype.itemsize == 1, rows=num_slots)
+    kernel = kernels.use_grouped_matmul_kernel(fp8=experts["we_gate"].dtype.itemsize == 1, rows=num_slots,
+                                              groups=num_experts)
     if form == "auto":
         form = "gathered" if num_slots <= num_experts and not kernel else "grouped"
     forms = {"dense": _dense_experts, "grouped": _grouped_experts, "gathered": _gathered_experts}
