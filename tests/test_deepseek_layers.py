@@ -517,12 +517,13 @@ def test_fp8_linear_through_the_kernel_matches_fp8_matmul(tokens):
     got = fp8.linear(x, weights, "w", block, KernelPolicy(interpret=True))
     assert got.shape == want.shape
     assert relative_error(got, np.asarray(want, np.float64)) < 1e-6
+    assert linear_kernel_calls(weights, block, x.size // 300) == 1 and linear_kernel_calls(weights, block, block[0]) == 0
 
-    def kernel_calls(rows):
-        linear = jax.make_jaxpr(lambda x: fp8.linear(x, weights, "w", block, KernelPolicy(interpret=True)))
-        return str(linear(jnp.zeros((rows, 300)))).count("pallas_call")
 
-    assert kernel_calls(x.size // 300) == 1 and kernel_calls(block[0]) == 0
+def linear_kernel_calls(weights, block, rows: int) -> int:
+    """Pallas calls in fp8.linear's program for `rows` rows of 300 features under an interpreting kernel policy."""
+    linear = jax.make_jaxpr(lambda x: fp8.linear(x, weights, "w", block, KernelPolicy(interpret=True)))
+    return str(linear(jnp.zeros((rows, 300)))).count("pallas_call")
 
 
 def test_plain_linear_at_decode_sizes_runs_the_kernel_as_one_group():
@@ -535,13 +536,8 @@ def test_plain_linear_at_decode_sizes_runs_the_kernel_as_one_group():
         got = fp8.linear(x, weights, "w", None, KernelPolicy(interpret=True))
     assert got.shape == want.shape
     assert relative_error(got, np.asarray(want, np.float64)) < 1e-6
-
-    def kernel_calls(rows):
-        linear = jax.make_jaxpr(lambda x: fp8.linear(x, weights, "w", None, KernelPolicy(interpret=True)))
-        return str(linear(jnp.zeros((rows, 300)))).count("pallas_call")
-
     limit = KernelPolicy().dense_kernel_max_plain_rows
-    assert kernel_calls(limit) == 1 and kernel_calls(limit + 1) == 0
+    assert linear_kernel_calls(weights, None, limit) == 1 and linear_kernel_calls(weights, None, limit + 1) == 0
 
 
 def test_fp8_experts_are_gathered_as_bytes_never_widened_whole():
