@@ -47,7 +47,7 @@ def attention(
     _check_inputs(q, k_cache, v_cache, layer, start, scale, window, value_dim)
     if tree is not None:
         check_tree(tree, q.shape[0], q.shape[1])
-    chosen = choose_attention(kernels, q.shape, k_cache.shape, value_dim if v_cache is None else None)
+    chosen = choose_attention(kernels, q.shape, k_cache.shape, value_dim)
     run = _runner(chosen, scale, kernels.interpret, config, value_dim)
     layer, window = jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)
     layout = current_layout()

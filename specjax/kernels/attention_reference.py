@@ -37,9 +37,9 @@ def attention_reference(
     value_dim: int | None = None,
 ) -> jax.Array:
     """Causal GQA attention of q [B,T,Hq,D] against layer `layer` of a [L,B,Hkv,S,D] cache, queries taken
-    `query_chunk` (default QUERY_CHUNK) at a time. window: the sliding window in tokens (a scalar, traced or not; 0 = none). tree: a
-    draft tree's mask (one chunk: trees are small). v_cache None: the values are k_cache's first value_dim
-    columns. Returns [B,T,Hq,Dv]."""
+    `query_chunk` (default QUERY_CHUNK) at a time. window: the sliding window in tokens (a scalar, traced or
+    not; 0 = none). tree: a draft tree's mask (one chunk: trees are small). v_cache None: the values are
+    k_cache's first value_dim columns. Returns [B,T,Hq,Dv]."""
     k = lax.dynamic_index_in_dim(k_cache, layer, axis=0, keepdims=False)
     v = (k[..., :value_dim] if v_cache is None
          else lax.dynamic_index_in_dim(v_cache, layer, axis=0, keepdims=False))

@@ -34,6 +34,7 @@ are zeroed before use; long query blocks run in chunks of QUERY_CHUNK.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -222,10 +223,6 @@ def mla_attention(x: jax.Array, weights: dict, cache: jax.Array, layer: jax.Arra
     q_rope = rotate(q_rope, positions)
     k_rope = rotate(k_rope[:, :, None, :], positions)[:, :, 0, :]
     cache = write_latent(cache, layer, jnp.concatenate([c_kv, k_rope], axis=-1), start)
-    if absorbed:
-        heads = absorbed_attention(q_nope, q_rope, cache, layer, start, weights["w_uk"], weights["w_uv"], scale=scale,
-                                   tree=tree, kernels=kernels)
-    else:
-        heads = expanded_attention(q_nope, q_rope, cache, layer, start, weights["w_uk"], weights["w_uv"], scale=scale,
-                                   tree=tree)
+    attend = functools.partial(absorbed_attention, kernels=kernels) if absorbed else expanded_attention
+    heads = attend(q_nope, q_rope, cache, layer, start, weights["w_uk"], weights["w_uv"], scale=scale, tree=tree)
     return linear(heads.reshape(batch, num_tokens, -1), weights, "wo", block, kernels), cache
