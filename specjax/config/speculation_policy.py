@@ -15,9 +15,11 @@ from typing import Any
 from specjax.config.validators import check_int, is_number
 
 POLICIES = ("fixed", "table", "auto")
-# "auto" runs a speculative step after at most this many plain ones in a row (to measure acceptance again);
-# proposers that read the target's features keep that many plain passes for their catch-up.
+# "auto" runs a speculative step after this many plain ones in a row (to measure acceptance again), a gap that
+# doubles with each probe up to PROBE_MAX until speculation wins again. Proposers that read the target's features
+# keep PROBE_EVERY plain passes for their catch-up (older ones go unobserved: draft quality only, not exactness).
 PROBE_EVERY = 16
+PROBE_MAX = 128
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,8 +6,10 @@ its k; k = 0 is a plain decode step. "auto" scores a tier k
 by the tokens a row expects from it, 1 + sum_{i<k} prod_{j<=i} a_j with a_j the running conditional acceptance
 at draft position j, over the tier's step time, and takes the best. Dead rows cost as much as live ones in a
 compiled batch, so the step times are per compiled shape and the live count enters through the statistics.
-A tier not run stops updating its positions' rates, so after PROBE_EVERY plain steps in a row the loop runs
-the largest tier for a segment to look again (a bounded cost: a speculative segment in every few).
+A tier not run stops updating its positions' rates, so after `probe_gap` plain steps in a row the loop runs
+the largest tier for a segment to look again. The gap starts at PROBE_EVERY and doubles after each probe up to
+PROBE_MAX, and a speculative tier chosen on its merits sets it back: where speculation keeps losing, its probes
+cost a segment in every PROBE_MAX / SEGMENT + 1 rather than one in three.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.config.speculation_policy import PROBE_EVERY, SpeculationPolicy
+from specjax.config.speculation_policy import PROBE_EVERY, PROBE_MAX, SpeculationPolicy
 
 # Iterations per choice: each choice costs a copy of the KV caches (loop.py says why); at SEGMENT = 8 that copy
 # is an eighth of one per step. PROBE_EVERY is a multiple, so probes fall on segment starts.
@@ -39,6 +41,7 @@ class AdaptState:
     """The adaptive loop's carry beside the rows'."""
     acceptance: jax.Array    # f32 [k_max]: running P(draft j accepted | drafts before j accepted)
     plain_run: jax.Array     # i32 []: plain (k = 0) iterations since the last speculative one
+    probe_gap: jax.Array     # i32 []: plain iterations in a row after which the largest tier runs again
     k_per_step: jax.Array    # i32 [S]: iteration i drafted k_per_step[i] tokens per row
     live_per_step: jax.Array  # i32 [S]: rows running at iteration i
     inputs: PolicyInputs
@@ -51,6 +54,7 @@ def policy_inputs(step_costs, forced_tier: int = -1) -> PolicyInputs:
 def init_adapt(k_max: int, max_steps: int, inputs: PolicyInputs) -> AdaptState:
     """Optimistic rates at first (every draft accepted), so the loop speculates and measures before it judges."""
     return AdaptState(acceptance=jnp.ones((k_max,), jnp.float32), plain_run=jnp.zeros((), jnp.int32),
+                      probe_gap=jnp.asarray(PROBE_EVERY, jnp.int32),
                       k_per_step=jnp.zeros((max_steps,), jnp.int32),
                       live_per_step=jnp.zeros((max_steps,), jnp.int32), inputs=inputs)
 
@@ -61,8 +65,8 @@ def expected_tokens(acceptance: jax.Array, tiers: tuple[int, ...]) -> jax.Array:
     return jnp.stack([jnp.sum(reach[:k + 1]) for k in tiers])
 
 
-def choose_tier(adapt: AdaptState, live: jax.Array, policy: SpeculationPolicy) -> jax.Array:
-    """i32 []: the index into policy.tiers of the tier the next iteration runs."""
+def choose_tier(adapt: AdaptState, live: jax.Array, policy: SpeculationPolicy) -> tuple[jax.Array, AdaptState]:
+    """The index into policy.tiers of the tier the next segment runs, and the state with its probe gap moved."""
     tiers = policy.tiers
     if policy.mode == "table":
         chosen = _table_k(live, policy)
@@ -70,8 +74,12 @@ def choose_tier(adapt: AdaptState, live: jax.Array, policy: SpeculationPolicy) -
     else:
         score = expected_tokens(adapt.acceptance, tiers) / adapt.inputs.step_costs
         tier = jnp.argmax(score).astype(jnp.int32)
-        tier = jnp.where(adapt.plain_run >= PROBE_EVERY, len(tiers) - 1, tier)
-    return jnp.where(adapt.inputs.forced_tier >= 0, adapt.inputs.forced_tier, tier)
+        probing = adapt.plain_run >= adapt.probe_gap
+        gap = jnp.where(probing, jnp.minimum(2 * adapt.probe_gap, PROBE_MAX),
+                        jnp.where(tier > 0, PROBE_EVERY, adapt.probe_gap))
+        adapt = dataclasses.replace(adapt, probe_gap=gap.astype(jnp.int32))
+        tier = jnp.where(probing, len(tiers) - 1, tier)
+    return jnp.where(adapt.inputs.forced_tier >= 0, adapt.inputs.forced_tier, tier), adapt
 
 
 def _table_k(live: jax.Array, policy: SpeculationPolicy) -> jax.Array:
@@ -82,13 +90,14 @@ def _table_k(live: jax.Array, policy: SpeculationPolicy) -> jax.Array:
     return k
 
 
-def record(adapt: AdaptState, step: jax.Array, k: jax.Array, live: jax.Array, drafted: jax.Array,
+def record(adapt: AdaptState, step: jax.Array, k: jax.Array, live: jax.Array, offered: jax.Array,
            accepted: jax.Array, active: jax.Array) -> AdaptState:
-    """The statistics after iteration `step` ran tier k: drafted / accepted [B] per row, active [B] the rows
-    that were running. A position's rate moves only when some row drafted there with every earlier draft
+    """The statistics after iteration `step` ran tier k: offered [B] the positions each row's verify pass had
+    room for (a position without a draft counts as rejected), accepted [B] the drafts it accepted, active [B]
+    the rows that were running. A position's rate moves only when some row reached it with every earlier draft
     accepted (the condition of the conditional rate)."""
     j = jnp.arange(adapt.acceptance.shape[0])[None, :]
-    reached = active[:, None] & (drafted[:, None] > j) & (accepted[:, None] >= j)
+    reached = active[:, None] & (offered[:, None] > j) & (accepted[:, None] >= j)
     hits = jnp.sum(reached & (accepted[:, None] > j), axis=0)
     tries = jnp.sum(reached, axis=0)
     rate = hits / jnp.maximum(tries, 1)

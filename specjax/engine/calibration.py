@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -23,9 +22,12 @@ import numpy as np
 from specjax.engine.adaptive import PolicyInputs, policy_inputs
 from specjax.engine.state import RowParams
 
-# New tokens per row of the longer measuring run (the shorter one runs a quarter of it).
-CALIBRATION_TOKENS = 24
-REPEATS = 3
+# New tokens per row of the longer measuring run (the shorter one runs a quarter of it), and how many times each
+# run is timed. Noise on a shared machine only ever adds time, and a calibration-sized run varies by 15-25% on a
+# 2-core box, so each time is the fastest of its repeats, taken round-robin over the tiers so that a slow spell
+# falls on all of them alike (benchmarks/RESULTS.md, "Adaptive speculation on CPU").
+CALIBRATION_TOKENS = 32
+REPEATS = 5
 
 
 def measure_step_costs(run: Callable[[PolicyInputs, RowParams], Any], rows: RowParams, n_tiers: int,
@@ -36,14 +38,16 @@ def measure_step_costs(run: Callable[[PolicyInputs, RowParams], Any], rows: RowP
     short = max(1, long // 4)
     if long - short < 2:
         return (1.0,) * n_tiers   # no room to measure: equal costs, so the most expected tokens wins
-    timed = {n: _measuring_rows(rows, n) for n in (short, long)}
-    costs = []
-    for tier in range(n_tiers):
-        inputs = policy_inputs(np.ones(n_tiers, np.float32), tier)
-        runs = {n: _timed(run, inputs, tier_rows) for n, tier_rows in timed.items()}
-        (t_short, s_short), (t_long, s_long) = runs[short], runs[long]
-        costs.append(max((t_long - t_short) / max(s_long - s_short, 1), 1e-9))
-    return tuple(costs)
+    lengths = {n: _measuring_rows(rows, n) for n in (short, long)}
+    forced = [policy_inputs(np.ones(n_tiers, np.float32), tier) for tier in range(n_tiers)]
+    cases = [(tier, n) for tier in range(n_tiers) for n in (short, long)]
+    steps = {case: _run_steps(run, forced[case[0]], lengths[case[1]]) for case in cases}   # also the warm-ups
+    fastest = dict.fromkeys(cases, float("inf"))
+    for _ in range(REPEATS):
+        for case in cases:
+            fastest[case] = min(fastest[case], _seconds(run, forced[case[0]], lengths[case[1]]))
+    return tuple(max((fastest[tier, long] - fastest[tier, short]) / max(steps[tier, long] - steps[tier, short], 1),
+                     1e-9) for tier in range(n_tiers))
 
 
 def _measuring_rows(rows: RowParams, new_tokens: int) -> RowParams:
@@ -53,15 +57,15 @@ def _measuring_rows(rows: RowParams, new_tokens: int) -> RowParams:
                                stop_ids=np.full_like(np.asarray(rows.stop_ids), -1))
 
 
-def _timed(run, inputs: PolicyInputs, rows: RowParams) -> tuple[float, int]:
-    """(median seconds, loop iterations) of run, after a warm-up run."""
-    state = jax.block_until_ready(run(inputs, rows))
-    times = []
-    for _ in range(REPEATS):
-        begin = time.perf_counter()
-        state = jax.block_until_ready(run(inputs, rows))
-        times.append(time.perf_counter() - begin)
-    return statistics.median(times), int(jax.device_get(state.steps))
+def _run_steps(run, inputs: PolicyInputs, rows: RowParams) -> int:
+    """Loop iterations of one run (the same every time: the tokens are greedy or seeded)."""
+    return int(jax.device_get(jax.block_until_ready(run(inputs, rows)).steps))
+
+
+def _seconds(run, inputs: PolicyInputs, rows: RowParams) -> float:
+    begin = time.perf_counter()
+    jax.block_until_ready(run(inputs, rows))
+    return time.perf_counter() - begin
 
 
 class StepCostStore:

@@ -211,13 +211,12 @@ def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
         def recorded_step(state: LoopState) -> LoopState:
             active = ~state.done
             before = state.counters
-            # A tree offers every depth its budget allows (its drafted count is its nodes, not its depths).
+            # The positions the step paid to verify: every one its budget allows, drafted or not. A proposer
+            # that found no draft there (an n-gram miss) gained nothing from them, so they count as rejected.
             offered = jnp.clip(_budget(state, rows, spec) - 1, 0, k)
             state = step(state)
-            drafted = (offered if proposer.tree is not None
-                       else state.counters.num_draft_tokens - before.num_draft_tokens)
             adapt = record(state.adapt, state.steps - 1, jnp.asarray(k, jnp.int32),
-                           jnp.sum(active).astype(jnp.int32), drafted,
+                           jnp.sum(active).astype(jnp.int32), offered,
                            state.counters.num_accepted - before.num_accepted, active)
             return dataclasses.replace(state, adapt=adapt)
 
@@ -230,8 +229,8 @@ def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
     segments = [segment(k) for k in policy.tiers]
 
     def body(state: LoopState) -> LoopState:
-        tier = choose_tier(state.adapt, jnp.sum(~state.done).astype(jnp.int32), policy)
-        return jax.lax.switch(tier, segments, state)
+        tier, adapt = choose_tier(state.adapt, jnp.sum(~state.done).astype(jnp.int32), policy)
+        return jax.lax.switch(tier, segments, dataclasses.replace(state, adapt=adapt))
 
     return body
 
