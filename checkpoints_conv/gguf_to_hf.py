@@ -188,7 +188,10 @@ def save_tokenizer(reader: GGUFReader, meta: dict[str, Any], out_dir: Path) -> N
     metadata read here (transformers' own GGUF reader needs torch, which loading a model does not), and
     store the chat template."""
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    try:
+        from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    except ImportError:   # transformers before 5.25 kept them in integrations.ggml
+        from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
     fields = {**meta, **{name: reader.fields[name].contents() for name in VOCABULARY_FIELDS if name in reader.fields}}
     tokenizer_dict = {ours: fields[f"tokenizer.{key}"] for key, ours in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
@@ -196,7 +199,7 @@ def save_tokenizer(reader: GGUFReader, meta: dict[str, Any], out_dir: Path) -> N
     backend, extra = convert_gguf_tokenizer(meta["general.architecture"], tokenizer_dict)
     specials = {name: tokenizer_dict["tokens"][fields[key]] for name, key in SPECIAL_TOKEN_FIELDS.items()
                 if key in fields}
-    PreTrainedTokenizerFast(tokenizer_object=backend, **specials, **extra).save_pretrained(out_dir)
+    PreTrainedTokenizerFast(tokenizer_object=backend, **{**extra, **specials}).save_pretrained(out_dir)
     config_file = out_dir / "tokenizer_config.json"
     tok_config = json.loads(config_file.read_text())
     for key in ("is_local", "local_files_only", "name_or_path"):

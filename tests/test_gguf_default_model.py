@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -208,3 +209,34 @@ def test_fresh_cache_converts_from_the_wheel(tmp_path, monkeypatch, default_mode
 
 def _no_download(*args, **kwargs):
     raise AssertionError(f"unexpected subprocess {args}")
+
+
+def test_tokenizer_builds_where_transformers_keeps_its_gguf_helpers_in_ggml(tmp_path, monkeypatch, default_model_dir,
+                                                                          default_gguf):
+    """transformers before 5.25 exported GGUF_TOKENIZER_MAPPING and convert_gguf_tokenizer from
+    integrations.ggml (integrations.gguf had neither), and its converter returned the unknown token among the
+    extra tokenizer arguments too: the tokenizer built there equals the cached model's."""
+    import types
+
+    import transformers.integrations.ggml as ggml
+    from transformers import AutoTokenizer
+    from transformers.integrations import gguf as current
+
+    from checkpoints_conv.gguf_to_hf import _metadata, _open_reader, save_tokenizer
+
+    mapping, convert = current.GGUF_TOKENIZER_MAPPING, current.convert_gguf_tokenizer   # before hiding them
+
+    def older_convert(architecture, tokenizer_dict):
+        backend, extra = convert(architecture, tokenizer_dict)
+        return backend, {**extra, "unk_token": tokenizer_dict["tokens"][0]}
+
+    monkeypatch.setitem(sys.modules, "transformers.integrations.gguf", types.ModuleType("gguf"))
+    monkeypatch.setattr(ggml, "GGUF_TOKENIZER_MAPPING", mapping, raising=False)
+    monkeypatch.setattr(ggml, "convert_gguf_tokenizer", older_convert, raising=False)
+    reader = _open_reader(default_gguf)
+    save_tokenizer(reader, _metadata(reader), tmp_path)
+    built, cached = AutoTokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(default_model_dir)
+    text = "  def f(x):\n\treturn x**2  # ünïcödé <|im_start|>user\nhi<|im_end|>"
+    assert built(text)["input_ids"] == cached(text)["input_ids"]
+    assert (built.bos_token, built.eos_token, built.unk_token) == (cached.bos_token, cached.eos_token,
+                                                                   cached.unk_token)
