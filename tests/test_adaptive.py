@@ -478,6 +478,22 @@ def test_auto_calibrates_a_shape_once_and_stores_it(tiny_dir, default_model_dir,
     _llm(tiny_dir, default_model_dir, spec).generate(prompts, params, use_tqdm=False)
 
 
+def test_admission_calibrates_on_its_own_program(tiny_dir, default_model_dir, workload, plain_tokens, monkeypatch,
+                                                tmp_path):
+    """Under continuous admission the step times are measured on the admitting loop itself (a queue of only the
+    first slots' requests): no wave program is compiled beside it, and the outputs stay plain decoding's."""
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "speculation_policy": "auto"}
+    llm = LLM(str(tiny_dir), tokenizer=str(default_model_dir), max_model_len=MAX_LEN, max_num_seqs=SLOTS,
+              speculative_config=spec)
+    n = 2 * SLOTS + 3
+    outs = llm.generate(workload[0][:n], workload[1][:n], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain_tokens[:n]
+    stored = json.loads((tmp_path / "step_costs.json").read_text())
+    assert len(stored) == 1 and f"rows={SLOTS}" in next(iter(stored))
+    assert llm._runner._compiled == {} and len(llm._runner._admitting) == 1
+
+
 def test_the_functional_core_runs_the_table_policy(tiny_dir, default_model_dir, workload, plain_tokens):
     from specjax.functional import make_generate_fn
 

@@ -33,7 +33,8 @@ REPEATS = 5
 def measure_step_costs(run: Callable[[PolicyInputs, RowParams], Any], rows: RowParams, n_tiers: int,
                        room: int) -> tuple[float, ...]:
     """Seconds per iteration of each tier. run(policy, rows) runs the compiled loop and returns its final
-    state; room: new tokens every row has space for in the wave's buffers."""
+    state (anything with `steps`, the loop iterations it ran); room: new tokens every row has space for in the
+    loop's buffers."""
     long = min(CALIBRATION_TOKENS, room)
     short = max(1, long // 4)
     if long - short < 2:

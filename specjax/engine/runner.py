@@ -143,18 +143,18 @@ class WaveRunner:
         slots = self.config.max_num_seqs
         prompts, lengths, rows, cache_len = self._pack(requests, num_rows=max(bucket(len(requests)), slots))
         key = _spec_key(requests, rows, self.vocab_size)
-        head = jax.tree.map(lambda x: x[:slots], rows)
-        wave_fn = self.generate_fn(*key)
-
-        def run_head(policy, r):   # what calibration times: a wave of the first requests, shaped as the slots
-            return wave_fn(self.target_state, self.draft_state, prompts[:slots], lengths[:slots], r, cache_len,
-                           self.synthetic_rates, policy)
-
-        policy = self._policy_inputs(run_head, key, head, lengths[:slots], cache_len)
         record_len = bucket(sum(self._max_new(r) for r in requests)) if self.policy is not None else 1
-        queue = Queue(prompts, lengths, rows, np.int32(len(requests)))
-        out = self.admitting_fn(*key)(self.target_state, self.draft_state, queue, slots, cache_len, record_len,
-                                      self.synthetic_rates, policy)
+        admitting = self.admitting_fn(*key)
+
+        def run(policy, r, size):
+            return admitting(self.target_state, self.draft_state, Queue(prompts, lengths, r, np.int32(size)), slots,
+                             cache_len, record_len, self.synthetic_rates, policy)
+
+        # Calibration times this very program over the first `slots` requests alone (a queue that admits no
+        # more), so it compiles nothing else.
+        policy = self._policy_inputs(lambda p, r: run(p, r, min(slots, len(requests))), key, rows,
+                                     lengths[:slots], cache_len)
+        out = run(policy, rows, len(requests))
         out = jax.device_get(out)
         steps = int(out.steps)
         self.queue_traces.append(QueueTrace(slots, len(requests), steps, out.busy.tolist(), int(out.admissions)))
