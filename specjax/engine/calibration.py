@@ -39,14 +39,14 @@ def measure_step_costs(run: Callable[[PolicyInputs, RowParams], Any], rows: RowP
     short = max(1, long // 4)
     if long - short < 2:
         return (1.0,) * n_tiers   # no room to measure: equal costs, so the most expected tokens wins
-    lengths = {n: _measuring_rows(rows, n) for n in (short, long)}
+    measuring = {n: _measuring_rows(rows, n) for n in (short, long)}
     forced = [policy_inputs(np.ones(n_tiers, np.float32), tier) for tier in range(n_tiers)]
     cases = [(tier, n) for tier in range(n_tiers) for n in (short, long)]
-    steps = {case: _run_steps(run, forced[case[0]], lengths[case[1]]) for case in cases}   # also the warm-ups
+    steps = {case: _run_steps(run, forced[case[0]], measuring[case[1]]) for case in cases}   # also the warm-ups
     fastest = dict.fromkeys(cases, float("inf"))
     for _ in range(REPEATS):
         for case in cases:
-            fastest[case] = min(fastest[case], _seconds(run, forced[case[0]], lengths[case[1]]))
+            fastest[case] = min(fastest[case], _seconds(run, forced[case[0]], measuring[case[1]]))
     return tuple(max((fastest[tier, long] - fastest[tier, short]) / max(steps[tier, long] - steps[tier, short], 1),
                      1e-9) for tier in range(n_tiers))
 
