@@ -1,7 +1,8 @@
-"""EAGLE-3 on the default model (SmolLM2-135M-Instruct, fp32): the shipped head against plain decoding and
-n-gram speculation, greedy, on held-out GSM8K questions (the training run's held-out split).
+"""EAGLE-3 and MTP on the default model (SmolLM2-135M-Instruct, fp32): the shipped heads against plain decoding
+and n-gram speculation, greedy, on held-out GSM8K questions (the training runs' held-out split).
 
     PYTHONPATH=. python benchmarks/bench_eagle.py [--head HEAD_DIR (default: the shipped head)] [--num 32]
+        [--mtp MTP_HEAD_DIR (default: the shipped MTP head; "" leaves MTP out)]
         [--max-tokens 256] [--batches 1,8] [--k 3] [--policy fixed|auto|fixed,auto] [--prompts FILE] [--dtype bfloat16]
         [--chains 3,5] [--trees 16:4:5,32:4:6] [--smoke]
 
@@ -18,7 +19,7 @@ import argparse
 from pathlib import Path
 
 from benchmarks.common import print_table, time_llm, write_json
-from specjax.default_model import default_eagle3_head_dir, default_model_dir
+from specjax.default_model import default_eagle3_head_dir, default_model_dir, default_mtp_head_dir
 from specjax.hub import load_tokenizer
 from specjax.training import data as data_lib
 
@@ -29,6 +30,7 @@ GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_train.j
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--head", default=str(default_eagle3_head_dir()))
+    parser.add_argument("--mtp", default=str(default_mtp_head_dir()), help="an MTP head directory ('': none)")
     parser.add_argument("--prompts", default=GSM8K)
     parser.add_argument("--num", type=int, default=32, help="held-out questions to run")
     parser.add_argument("--num-heldout", type=int, default=200, help="the training run's held-out split size")
@@ -51,7 +53,9 @@ def main(argv=None) -> None:
                                        "prompt_lookup_min": 2}),
                 *[(f"eagle3 k={k}", {"method": "eagle3", "model": args.head, "num_speculative_tokens": k})
                   for k in [args.k] + [int(k) for k in args.chains.split(",") if k]],
-                *[(f"eagle3 tree {shape}", _tree_spec(args.head, shape)) for shape in args.trees.split(",") if shape]]
+                *[(f"eagle3 tree {shape}", _tree_spec(args.head, shape)) for shape in args.trees.split(",") if shape],
+                *[(f"mtp k={k}", {"method": "mtp", "model": args.mtp, "num_speculative_tokens": k})
+                  for k in ([args.k] + [int(k) for k in args.chains.split(",") if k] if args.mtp else [])]]
     specs = [("plain", None)] + [(name if policy == "fixed" else f"{name} {policy}",
                                   {**spec, "speculation_policy": policy})
                                  for policy in args.policy.split(",") for name, spec in drafters]

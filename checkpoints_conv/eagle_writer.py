@@ -15,12 +15,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
-from flax import nnx
-from flax.traverse_util import flatten_dict
 from safetensors.numpy import save_file
 
+from checkpoints_conv.safetensors_writer import hf_tensors, module_leaves
 from specjax.models.eagle import EagleHead, head_weight_map
-from specjax.models.weight_map import LeafSpec, split_columns
 
 HEAD_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -44,20 +42,10 @@ def save_eagle3_head(head: EagleHead, out_dir: str | Path, target_config: Mappin
 
 
 def _published_tensors(head: EagleHead) -> dict[str, np.ndarray]:
-    """The head's own leaves under their published names (the weight map read backwards: fused leaves split,
-    matrices back to HF's [out, in], layer 0 as "midlayer.")."""
-    params = flatten_dict(nnx.to_pure_dict(nnx.state(head, nnx.Param)))
-    leaves = {"/".join(str(k) for k in path): leaf for path, leaf in params.items()}
-    tensors = {}
-    for path, spec in head_weight_map(head.cfg, embed=False).items():
-        for name, part in zip(spec.hf_names, _unfused(np.asarray(leaves[path], np.float32), spec)):
-            tensors[name.replace("layers.0.", "midlayer.", 1) if name.startswith("layers.0.") else name] = part
-    return tensors
-
-
-def _unfused(array: np.ndarray, spec: LeafSpec) -> list[np.ndarray]:
-    parts = [array] if not spec.widths else [np.asarray(p) for p in split_columns(array, spec.widths, spec.groups)]
-    return [part.T if spec.transpose else part for part in parts]
+    """The head's own leaves under their published names (layer 0 as "midlayer.")."""
+    tensors = hf_tensors(module_leaves(head), head_weight_map(head.cfg, embed=False))
+    return {name.replace("layers.0.", "midlayer.", 1) if name.startswith("layers.0.") else name: part
+            for name, part in tensors.items()}
 
 
 def _vocabulary_maps(head: EagleHead) -> dict[str, np.ndarray]:

@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("convert", add_help=False,
                         help="convert checkpoints: gguf-to-hf, hf-to-orbax (specjax convert --help)")
     commands.add_parser("train", add_help=False,
-                        help="train an EAGLE-3 head from prompts (specjax train --help)")
+                        help="train an EAGLE-3 or MTP head from prompts (specjax train --help)")
     return parser
 
 

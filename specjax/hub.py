@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from checkpoints_conv.orbax_io import is_orbax_checkpoint
-from specjax.default_model import DEFAULT_EAGLE3_HEAD, DEFAULT_MODEL, default_eagle3_head_dir, default_model_dir
+from specjax.default_model import DEFAULT_MODEL, SHIPPED_HEADS, default_model_dir, shipped_head_dir
 
 HF_MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
                   "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -23,8 +23,8 @@ def resolve_model(model: str | Path | None, revision: str | None = None, *,
     """A local directory holding `model`'s config, weights and tokenizer files."""
     if model is None or model == DEFAULT_MODEL:
         return default_model_dir()
-    if model == DEFAULT_EAGLE3_HEAD:
-        return default_eagle3_head_dir()
+    if model in SHIPPED_HEADS:
+        return shipped_head_dir(model)
     if not isinstance(model, (str, Path)):
         raise TypeError(f"model must be a Hub id or a directory path, got {type(model).__name__}")
     path = Path(model).expanduser()

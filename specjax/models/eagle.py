@@ -29,7 +29,7 @@ eagle_loader reads them into the canonical names of `head_weight_map`):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Literal, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +41,7 @@ from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.tree_mask import TreeMask
 from specjax.models.family import Frozen
 from specjax.models.kv_cache import KVCache, write_layer
-from specjax.models.layers import decoder_layer, rms_norm
+from specjax.models.layers import LayerAttend, decoder_layer, rms_norm
 from specjax.models.random_init import normal_param, ones_param
 from specjax.models.rope import rotary
 from specjax.models.llama import LlamaConfig
@@ -52,8 +52,6 @@ EAGLE_METHODS = ("eagle", "eagle3")
 # Where the lm_head comes from: the head's own [H, Vd]; the target's untied [H, V]; a tied target's
 # embedding [V, H] (read transposed, so sharing it costs no copy).
 LmHeadSource = Literal["head", "target", "target_embed"]
-# attend(layer_index, q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D]) -> [B,T,Hq,D]; q and k already rotated.
-LayerAttend = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)

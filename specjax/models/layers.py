@@ -18,8 +18,10 @@ from specjax.parallel.mesh import pin_heads
 # attend(q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D]) -> [B,T,Hq,D], q and k rotated: a cache's attention
 # (writing k and v first) or training's masked attention.
 Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+# attend(layer_index, q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D]) -> [B,T,Hq,D] for a head's layers (q, k rotated).
+LayerAttend = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
 
-__all__ = ["Attend", "decoder_layer", "qkv_projection", "rms_norm", "swiglu_mlp"]
+__all__ = ["Attend", "LayerAttend", "decoder_layer", "qkv_projection", "rms_norm", "swiglu_mlp"]
 
 
 def qkv_projection(x: jax.Array, w_qkv: jax.Array, b_qkv: jax.Array | None, num_heads: int, num_kv_heads: int,

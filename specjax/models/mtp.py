@@ -2,7 +2,8 @@
 drafting the token after next from the target's hidden state. Two layouts:
 - DeepSeek-V3 (`model.layers.{num_hidden_layers + i}`: enorm, hnorm, eh_proj, shared_head.norm, an MLA + MoE block);
 - MiMo-7B (`model.mtp_layers.{i}`: token_layernorm, hidden_layernorm, input_proj, final_layernorm, a Qwen2 block),
-  whose projection reads the hidden state first.
+  whose projection reads the hidden state first; also the layout of MTP head directories that specjax.training
+  writes for any Llama-family target (the block shaped like the target's layers).
 
 One MTP step for the pair (token t+1, hidden h_t) at position t (vLLM's convention; the embedding is zeroed at
 position 0, as vLLM does):
@@ -32,7 +33,7 @@ from specjax.kernels.projection_reference import rms_norm
 from specjax.models import deepseek, llama
 from specjax.models.family import Frozen
 from specjax.models.kv_cache import KVCache, write_layer
-from specjax.models.layers import decoder_layer
+from specjax.models.layers import LayerAttend, decoder_layer
 from specjax.models.mla import LatentCache
 from specjax.models.rope import rotary
 from specjax.models.weight_map import LeafSpec
@@ -61,6 +62,18 @@ class MtpConfig:
         return self.target.vocab_size
 
     @property
+    def layers(self) -> Any:
+        """The config the block is built from (what training reads an EAGLE head's `layers` for)."""
+        return self.target
+
+    # The head drafts over the target's whole vocabulary (as training asks of a draft head).
+    reduced_vocab = False
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.vocab_size
+
+    @property
     def prefix(self) -> str:
         """The checkpoint's tensor-name prefix of the (first) MTP layer."""
         return LAYOUTS[self.layout][0].format(layer=self.target.num_layers)
@@ -82,10 +95,11 @@ def mtp_config(d: Mapping[str, Any], target: Any) -> MtpConfig:
                          "(DeepSeek-V3 / R1), rerunning it for k > 1")
     if isinstance(target, deepseek.DeepseekConfig):
         return MtpConfig(target=target, num_mtp_layers=count)
-    if isinstance(target, llama.LlamaConfig) and target.architecture == "MiMoForCausalLM":
+    if isinstance(target, llama.LlamaConfig):   # MiMo's own layers, or a head trained for a Llama-family target
         return MtpConfig(target=target, num_mtp_layers=count, layout="mimo", hidden_first=True)
     raise ValueError(f"MTP layers of a {target.architecture} target are not supported; supported: "
-                     f"{', '.join(deepseek.ARCHITECTURES)}, MiMoForCausalLM")
+                     f"{', '.join(deepseek.ARCHITECTURES)}, MiMoForCausalLM and MTP head directories of "
+                     "Llama-family targets")
 
 
 def mtp_weight_map(cfg: MtpConfig) -> dict[str, LeafSpec]:
@@ -154,40 +168,49 @@ class MtpHead(nnx.Module):
         return KVCache.bytes(1, batch, target.num_kv_heads, max_len, target.head_dim, self.dtype)
 
     def __call__(self, tokens: jax.Array, hidden: jax.Array, start: jax.Array,
-                 cache: LatentCache, tree: TreeMask | None = None) -> tuple[jax.Array, jax.Array, LatentCache]:
+                 cache: LatentCache | KVCache, tree: TreeMask | None = None
+                 ) -> tuple[jax.Array, jax.Array, LatentCache | KVCache]:
         """One MTP step for T pairs per row (tokens [B, T], hidden [B, T, H]) at positions start[b] + t (a draft
         tree's: tree.positions), writing the head's cache at slots start[b] + t. Returns (output for the logits,
         hidden state to feed back: the same, cache)."""
-        cfg, eps = self.cfg, self.cfg.target.rms_norm_eps
         positions = (start[:, None] + jnp.arange(tokens.shape[1], dtype=start.dtype)[None, :] if tree is None
                      else tree.positions)
-        embeds = jnp.where((positions > 0)[..., None], self.embed[...][tokens], 0).astype(hidden.dtype)
-        parts = [rms_norm(embeds, self.enorm[...], eps), rms_norm(hidden, self.hnorm[...], eps)]
-        x = jnp.concatenate(parts[::-1] if cfg.hidden_first else parts, axis=-1) @ self.eh_proj[...]
-        weights = {name: var[...][0] for name, var in self.block.items()}
-        y, cache = self._block(x, weights, positions, start, cache, tree)
-        out = rms_norm(y, self.shared_norm[...], eps)
-        return out, out, cache
-
-    def _block(self, x, weights, positions, start, cache, tree):
-        """The family's decoder block over the head's one-layer cache."""
-        target = self.cfg.target
         if self.cfg.layout == "deepseek":
-            y, latent = deepseek.decoder_layer(x, cache.latent, weights, 0, start, target, self.kernels, moe_layer=True,
-                                               tree=tree)
-            return y, LatentCache(latent)
-        k_cache, v_cache = cache.k, cache.v
+            weights = {name: var[...][0] for name, var in self.block.items()}
+            y, latent = deepseek.decoder_layer(self._input(tokens, hidden, positions), cache.latent, weights, 0,
+                                               start, self.cfg.target, self.kernels, moe_layer=True, tree=tree)
+            out = rms_norm(y, self.shared_norm[...], self.cfg.target.rms_norm_eps)
+            return out, out, LatentCache(latent)
+        k_cache, v_cache, scale = cache.k, cache.v, self.cfg.target.head_dim ** -0.5
 
-        def attend(q, k, v):
+        def attend(layer, q, k, v):
             nonlocal k_cache, v_cache
             k_cache, v_cache = write_layer(k_cache, 0, k, start), write_layer(v_cache, 0, v, start)
-            return attention(q, k_cache, v_cache, 0, start, scale=target.head_dim ** -0.5, kernels=self.kernels,
-                             tree=tree)
+            return attention(q, k_cache, v_cache, 0, start, scale=scale, kernels=self.kernels, tree=tree)
 
+        out, feedback = self.decode(tokens, hidden, positions, attend)
+        return out, feedback, KVCache(k_cache, v_cache)
+
+    def decode(self, tokens: jax.Array, hidden: jax.Array, positions: jax.Array,
+               attend: LayerAttend) -> tuple[jax.Array, jax.Array]:
+        """A Llama-family (MiMo-layout) step with the block's attention supplied by the caller (the head's cache,
+        or training's mask): (output for the logits, hidden state to feed back)."""
+        target = self.cfg.target
+        weights = {name: var[...][0] for name, var in self.block.items()}
         rotate = rotary(target.head_dim, target.rope_theta, target.rope_scaling,
                         max_position_embeddings=target.max_position_embeddings)
-        y = decoder_layer(x, x, weights, target, positions, rotate, attend, self.kernels, input_norm=weights["attn_norm"])
-        return y, KVCache(k_cache, v_cache)
+        x = self._input(tokens, hidden, positions)
+        y = decoder_layer(x, x, weights, target, positions, rotate, lambda q, k, v: attend(0, q, k, v), self.kernels,
+                          input_norm=weights["attn_norm"])
+        out = rms_norm(y, self.shared_norm[...], target.rms_norm_eps)
+        return out, out
+
+    def _input(self, tokens: jax.Array, hidden: jax.Array, positions: jax.Array) -> jax.Array:
+        """eh_proj over the normed embedding and hidden state (the embedding zeroed at position 0)."""
+        cfg, eps = self.cfg, self.cfg.target.rms_norm_eps
+        embeds = jnp.where((positions > 0)[..., None], self.embed[...][tokens], 0).astype(hidden.dtype)
+        parts = [rms_norm(embeds, self.enorm[...], eps), rms_norm(hidden, self.hnorm[...], eps)]
+        return jnp.concatenate(parts[::-1] if cfg.hidden_first else parts, axis=-1) @ self.eh_proj[...]
 
     def logits(self, out: jax.Array) -> jax.Array:
         """fp32 logits over the target's vocabulary, through its lm_head."""

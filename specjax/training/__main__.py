@@ -1,4 +1,5 @@
-"""python -m specjax.training: train an EAGLE-3 head for a target from prompts (see pipeline.py)."""
+"""python -m specjax.training: train a draft head (EAGLE-3, or an MTP layer with --method mtp) for a target from
+prompts (see pipeline.py)."""
 from __future__ import annotations
 
 import argparse

@@ -1,8 +1,8 @@
-"""Train an EAGLE-3 head for a target from prompts, end to end:
+"""Train a draft head for a target from prompts, end to end: an EAGLE-3 head, or an MTP layer (method "mtp"):
 
 prompts -> held-out split -> the target's greedy responses and hidden states (recorded by the real engine
-loop) -> draft vocabulary -> TTT training (optax) -> the head saved in the published EAGLE-3 layout ->
-acceptance length on the held-out prompts with the real loop. The recording lives in `work_dir/features`
+loop) -> draft vocabulary (EAGLE-3) -> TTT training (optax) -> the head saved in the published EAGLE-3 layout
+or MiMo's MTP layout -> acceptance length on the held-out prompts with the real loop. The recording lives in `work_dir/features`
 and resumes where an interrupted run stopped; progress bars and a JSON-lines log (work_dir/log.jsonl: loss
 and per-step accuracy every log_every steps, acceptance at each evaluation).
 """
@@ -20,22 +20,26 @@ from tqdm.auto import tqdm
 
 from checkpoints_conv.eagle_loader import load_eagle_head
 from checkpoints_conv.eagle_writer import save_eagle3_head
+from checkpoints_conv.mtp_loader import load_mtp_head
+from checkpoints_conv.mtp_writer import save_mtp_head
 from specjax import LLM
 from specjax.hub import resolve_model
 from specjax.kernels.policy import KernelPolicy
-from specjax.models.eagle import EagleHead, default_aux_layer_ids
+from specjax.models.eagle import default_aux_layer_ids
 from specjax.training import data as data_lib
 from specjax.training.evaluate import acceptance
 from specjax.training.features import FeatureWriter, open_features
 from specjax.training.record import record
-from specjax.training.trainer import TrainConfig, Trainer, batches, new_head
+from specjax.training.trainer import DraftHead, TrainConfig, Trainer, batches, new_head, new_mtp_head
+
+METHODS = ("eagle3", "mtp")
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     target: str                       # model directory / Hub id / None-equivalent default model name
     prompts: str                      # JSON lines with `question` (GSM8K) or `prompt`
-    out_dir: str                      # the trained head, in the published EAGLE-3 layout
+    out_dir: str                      # the trained head (EAGLE-3's published layout, or MiMo's MTP layout)
     work_dir: str                     # responses, captured features, log
     num_train: int = 2000
     num_heldout: int = 200
@@ -55,10 +59,13 @@ class PipelineConfig:
     log_every: int = 10
     save_dtype: str = "float16"
     seed: int = 0
-    init_head: str = ""               # continue from this saved EAGLE-3 head (its draft vocabulary is kept)
+    init_head: str = ""               # continue from this saved head (an EAGLE-3 head keeps its draft vocabulary)
+    method: str = "eagle3"            # "eagle3" or "mtp"
 
 
 def run(cfg: PipelineConfig) -> dict:
+    if cfg.method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS} (the heads this pipeline trains), got {cfg.method!r}")
     work, out = Path(cfg.work_dir), Path(cfg.out_dir)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -69,13 +76,15 @@ def run(cfg: PipelineConfig) -> dict:
     train_ids = data_lib.chat_prompt_ids(tokenizer, train_q[:cfg.num_train])
     eval_ids = data_lib.chat_prompt_ids(tokenizer, held_q[:cfg.num_eval])
     target_cfg = llm.model_config
-    aux_ids = default_aux_layer_ids(target_cfg.num_layers)
+    aux_ids = default_aux_layer_ids(target_cfg.num_layers) if cfg.method == "eagle3" else ()
     head = _initial_head(cfg, target_cfg, llm.params, aux_ids)   # before recording: a bad head fails fast
     capacity = sum(len(p) for p in train_ids) + len(train_ids) * cfg.max_new_tokens
     writer = FeatureWriter(work / "features", capacity, target_cfg.hidden_size, aux_ids)
     record(llm, train_ids, cfg.max_new_tokens, aux_ids, writer, cfg.generate_batch)
     store = open_features(work / "features")
     responses = store.response_tokens()
+    if head is None and cfg.method == "mtp":
+        head = new_mtp_head(target_cfg, llm.params, seed=cfg.seed)
     if head is None:
         draft_ids = data_lib.draft_vocabulary(responses, store.tokens, target_cfg.vocab_size, cfg.draft_vocab_size)
         head = new_head(target_cfg, llm.params, draft_ids, aux_ids, seed=cfg.seed)
@@ -94,12 +103,14 @@ def run(cfg: PipelineConfig) -> dict:
     return result
 
 
-def _initial_head(cfg: PipelineConfig, target_cfg, target_params, aux_ids: tuple[int, ...]) -> EagleHead | None:
+def _initial_head(cfg: PipelineConfig, target_cfg, target_params, aux_ids: tuple[int, ...]) -> DraftHead | None:
     """The head in cfg.init_head, checked against what this run trains (None: start a new one). The
     optimizer starts afresh (warmup included)."""
     if not cfg.init_head:
         return None
     dtype = target_params["embed"][...].dtype
+    if cfg.method == "mtp":
+        return load_mtp_head(cfg.init_head, target_cfg, target_params, dtype, kernels=KernelPolicy(impl="reference"))
     head = load_eagle_head(cfg.init_head, "eagle3", target_cfg, target_params, dtype,
                            kernels=KernelPolicy(impl="reference"))
     if head.cfg.lm_head_source != "head":
@@ -118,7 +129,8 @@ def _train(cfg: PipelineConfig, trainer: Trainer, store, log: "_Log", out: Path,
     running: dict[str, float] = {}
     evaluation: dict = {}
     started = time.time()
-    with tqdm(total=cfg.steps, desc="training EAGLE-3 head") as bar:
+    save = save_mtp_head if cfg.method == "mtp" else save_eagle3_head
+    with tqdm(total=cfg.steps, desc=f"training {cfg.method} head") as bar:
         for step in range(1, cfg.steps + 1):
             metrics = trainer.step(next(stream))
             running = {k: 0.9 * running.get(k, v) + 0.1 * v for k, v in metrics.items()}
@@ -128,10 +140,11 @@ def _train(cfg: PipelineConfig, trainer: Trainer, store, log: "_Log", out: Path,
                 log.write(stage="train", step=step, seconds=round(time.time() - started, 1), **metrics)
             evaluate = step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)
             if evaluate or (cfg.save_every and step % cfg.save_every == 0):
-                save_eagle3_head(trainer.head(), out, target_config, cfg.save_dtype)
+                save(trainer.head(), out, target_config, cfg.save_dtype)
             if evaluate:
                 evaluation = acceptance(cfg.target, out, eval_ids, k=cfg.k, max_new_tokens=cfg.max_new_tokens,
-                                        max_model_len=cfg.max_model_len, max_num_seqs=cfg.generate_batch)
+                                        max_model_len=cfg.max_model_len, max_num_seqs=cfg.generate_batch,
+                                        method=cfg.method)
                 log.write(stage="eval", step=step, **evaluation)
                 tqdm.write(f"step {step}: acceptance length {evaluation['acceptance_length']:.3f} at k={cfg.k} "
                            f"on {len(eval_ids)} held-out prompts")

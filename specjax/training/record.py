@@ -1,8 +1,8 @@
 """The target's own greedy responses and its hidden states, recorded in one go by the real engine loop.
 
 `FeatureRecorder` is a proposer that drafts nothing (k = 0, plain decoding) and asks the loop for the
-residual streams EAGLE-3 reads: its `observe` writes each pass's captured layers and final hidden states
-into time-major buffers in its carry (the prefill covers the prompt, each decode step the last committed
+residual streams EAGLE-3 reads (none for an MTP layer, which reads the final states): its `observe` writes
+each pass's captured layers and final hidden states into time-major buffers in its carry (the prefill covers the prompt, each decode step the last committed
 token), and the host puts each row's positions back in order. So training data costs one generation,
 with no second pass over the conversations.
 """
@@ -56,7 +56,8 @@ class FeatureRecorder:
     def observe(self, draft_state, carry: Recording, target: TargetPass, tokens, lengths, rows) -> Recording:
         # One in-place update per buffer: rows at their own positions would need a scatter (or one update per
         # row), and XLA copies the whole buffer for a scatter in the loop, every step.
-        captured = jnp.clip(target.captured, -65504.0, 65504.0).astype(jnp.float16)
+        captured = (jnp.zeros(target.hidden.shape[:2] + (0,)) if target.captured is None   # MTP: no layers
+                    else jnp.clip(target.captured, -65504.0, 65504.0)).astype(jnp.float16)
         return Recording(_write_at(carry.aux, captured, carry.next),
                          _write_at(carry.final, target.hidden.astype(jnp.float16), carry.next),
                          carry.next + target.hidden.shape[1])

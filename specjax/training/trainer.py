@@ -1,5 +1,5 @@
-"""EAGLE-3 head training with optax: token-level loss against the target's distribution, with training-time
-test (TTT) steps that feed the head its own outputs, as at inference.
+"""Draft head training with optax (an EAGLE-3 head, or an MTP layer): token-level loss against the target's
+distribution, with training-time test (TTT) steps that feed the head its own outputs, as at inference.
 
 Head index t reads the token at t+1 with the target's features at t. TTT step j stands for drafting step j:
 index t is then position t+j and reads the token at t+j+1 with the head's own hidden state from step j-1;
@@ -7,7 +7,9 @@ it predicts the token at t+j+2, against the target's distribution at t+j+1 restr
 Its attention sees what inference's KV cache would hold: step 0's keys (target features) at positions <= t
 and its own keys from steps 1..j at index t (the diagonal). Positions whose target token (the target's own
 argmax: the responses are its greedy output) falls outside the draft vocabulary, or that are not response
-tokens, are left out of the loss, as in EAGLE-3. Step j's loss is weighted by step_decay**j.
+tokens, are left out of the loss, as in EAGLE-3. Step j's loss is weighted by step_decay**j. An MTP layer is
+trained the same way: its step 0 reads the target's final hidden state (EAGLE-3: the captured layers), later
+steps its own output, which is what MTP drafting recycles.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from specjax.models.eagle import EagleConfig, EagleHead
 from specjax.models.family import Frozen
 from specjax.kernels.policy import KernelPolicy
 from specjax.models.llama import LlamaConfig
+from specjax.models.mtp import MtpConfig, MtpHead
 from specjax.training.features import FeatureStore
 
 
@@ -67,6 +70,22 @@ def new_head(target_cfg: LlamaConfig, target_state: Any, draft_ids: np.ndarray, 
     return head
 
 
+def new_mtp_head(target_cfg: LlamaConfig, target_state: Any, *, seed: int = 0) -> MtpHead:
+    """A fresh MTP layer for a Llama-family target in MiMo's layout: a decoder block shaped like the target's,
+    the target's embedding and lm_head (frozen, shared at inference), the output norm started from the target's."""
+    cfg = MtpConfig(target=target_cfg, num_mtp_layers=1, layout="mimo", hidden_first=True)
+    head = MtpHead(cfg, dtype=target_state["embed"][...].dtype, rngs=nnx.Rngs(seed),
+                   kernels=KernelPolicy(impl="reference"))
+    head.embed = Frozen(target_state["embed"][...])
+    head.lm_head = Frozen(target_state["embed"][...] if target_cfg.tie_word_embeddings
+                          else target_state["lm_head"][...])
+    head.shared_norm[...] = target_state["final_norm"][...]
+    return head
+
+
+DraftHead = EagleHead | MtpHead
+
+
 def target_unembedding(target_cfg: LlamaConfig, target_state: Any) -> jax.Array:
     """The target's lm_head as [H, V] (the embedding transposed when tied)."""
     if target_cfg.tie_word_embeddings:
@@ -77,7 +96,7 @@ def target_unembedding(target_cfg: LlamaConfig, target_state: Any) -> jax.Array:
 class Trainer:
     """Holds the head's graph, its trainable params, the optimizer state and one jitted step per shape."""
 
-    def __init__(self, head: EagleHead, target_cfg: LlamaConfig, target_state: Any, config: TrainConfig):
+    def __init__(self, head: DraftHead, target_cfg: LlamaConfig, target_state: Any, config: TrainConfig):
         self.config = config
         self.graph, self.params, self.frozen = nnx.split(head, nnx.Param, ...)
         ids = head.draft_to_target[...] if head.cfg.reduced_vocab else jnp.arange(head.cfg.draft_vocab_size)
@@ -93,7 +112,7 @@ class Trainer:
         self.opt_state = self.optimizer.init(self.params)
         self._step = jax.jit(self._train_step)
 
-    def head(self) -> EagleHead:
+    def head(self) -> DraftHead:
         return nnx.merge(self.graph, self.params, self.frozen)
 
     def step(self, batch: Batch) -> dict[str, float]:
@@ -111,13 +130,14 @@ class Trainer:
         return optax.apply_updates(params, updates), opt_state, dict(metrics, loss=loss)
 
 
-def ttt_loss(head: EagleHead, teacher: jax.Array, in_draft: jax.Array, batch: dict, ttt_steps: int,
+def ttt_loss(head: DraftHead, teacher: jax.Array, in_draft: jax.Array, batch: dict, ttt_steps: int,
              step_decay: float) -> tuple[jax.Array, dict]:
     """The weighted TTT loss and per-step accuracy (head argmax == target argmax where counted)."""
     tokens, response = batch["tokens"], batch["response"]
     target_logp = jax.nn.log_softmax(jnp.dot(batch["final"].astype(teacher.dtype), teacher,
                                              preferred_element_type=jnp.float32), axis=-1)   # [B, T, Vd]
-    outputs = ttt_forward(head, tokens, batch["aux"].astype(teacher.dtype), ttt_steps)
+    features = batch["aux"] if head.capture_layers else batch["final"]   # EAGLE-3's layers; MTP's final state
+    outputs = ttt_forward(head, tokens, features.astype(teacher.dtype), ttt_steps)
     total, weights, metrics = 0.0, 0.0, {}
     for j, out in enumerate(outputs):
         logp = jax.nn.log_softmax(head.logits(out), axis=-1)
@@ -133,12 +153,12 @@ def ttt_loss(head: EagleHead, teacher: jax.Array, in_draft: jax.Array, batch: di
     return total / weights, metrics
 
 
-def ttt_forward(head: EagleHead, tokens: jax.Array, aux: jax.Array, ttt_steps: int) -> list[jax.Array]:
+def ttt_forward(head: DraftHead, tokens: jax.Array, features: jax.Array, ttt_steps: int) -> list[jax.Array]:
     """The head's outputs [B, T, H] at each TTT step: step j at index t reads the token at t+j+1, the target's
     features (j = 0) or its own step j-1 hidden state, at position t+j."""
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T)[None], (B, T))
-    hidden = head.combine(aux)
+    hidden = head.combine(features)
     keys: dict[int, list] = {}
     outputs = []
     for j in range(ttt_steps):
