@@ -4,10 +4,11 @@ and n-gram speculation, greedy, on held-out GSM8K questions (the training runs' 
     PYTHONPATH=. python benchmarks/bench_eagle.py [--head HEAD_DIR (default: the shipped head)] [--num 32]
         [--mtp MTP_HEAD_DIR (default: the shipped MTP head; "" leaves MTP out)]
         [--max-tokens 256] [--batches 1,8] [--k 3] [--policy fixed|auto|fixed,auto] [--prompts FILE] [--dtype bfloat16]
-        [--chains 3,5] [--trees 16:4:5,32:4:6] [--smoke]
+        [--chains 3,5] [--trees 16:4:5,32:4:6] [--methods ngram,eagle3,mtp] [--smoke]
 
 Prints a table (tokens/s, speedup over plain, acceptance length and per-position rates, same tokens as plain)
-and writes $OUT/bench_eagle.json (or benchmarks/results). `--smoke`: two questions, a few tokens, batch 1 (checks
+and writes $OUT/bench_eagle.json (or benchmarks/results), rewritten after each engine (a run cut short keeps
+what it measured). `--smoke`: two questions, a few tokens, batch 1 (checks
 the script). `--policy auto` runs the speculative engines under adaptive speculation (k chosen each step
 between 0 and --k; the step times are measured in the untimed warm-up run), and reports how often each k ran.
 `--prompts ../shared/data/chat_prompts.jsonl` takes general chat prompts instead of GSM8K's questions.
@@ -42,6 +43,7 @@ def main(argv=None) -> None:
                         "fixed, auto, or both (fixed,auto)")
     parser.add_argument("--chains", default="", help="more EAGLE-3 chains: comma-separated k")
     parser.add_argument("--trees", default="", help="EAGLE-3 draft trees: comma-separated NODES:BRANCHING:DEPTH")
+    parser.add_argument("--methods", default="ngram,eagle3,mtp", help="the speculative methods to run beside plain")
     parser.add_argument("--smoke", action="store_true", help="2 questions, 8 tokens, batch 1: checks the script")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -56,9 +58,11 @@ def main(argv=None) -> None:
                 *[(f"eagle3 tree {shape}", _tree_spec(args.head, shape)) for shape in args.trees.split(",") if shape],
                 *[(f"mtp k={k}", {"method": "mtp", "model": args.mtp, "num_speculative_tokens": k})
                   for k in ([args.k] + [int(k) for k in args.chains.split(",") if k] if args.mtp else [])]]
+    methods = args.methods.split(",")
     specs = [("plain", None)] + [(name if policy == "fixed" else f"{name} {policy}",
                                   {**spec, "speculation_policy": policy})
-                                 for policy in args.policy.split(",") for name, spec in drafters]
+                                 for policy in args.policy.split(",") for name, spec in drafters
+                                 if spec["method"] in methods]
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         plain = None
@@ -72,8 +76,9 @@ def main(argv=None) -> None:
                              per_position=result["per_position"] and [round(r, 3) for r in result["per_position"]],
                              same_as_plain=result["tokens"] == plain["tokens"],
                              iterations_per_k=result["iterations_per_k"]))
+            print(rows[-1], flush=True)
+            write_json("bench_eagle", rows)
     print_table(rows)
-    write_json("bench_eagle", rows)
 
 
 def _tree_spec(head: str, shape: str) -> dict:

@@ -1,6 +1,6 @@
 """The main job: the embedded default model (SmolLM2-135M-Instruct) generating with and without
-speculation (n-gram prompt lookup, and the shipped EAGLE-3 head): each method's median speed over several
-timed runs, its acceptance length, and whether its tokens equal plain decoding's.
+speculation (n-gram prompt lookup, the shipped EAGLE-3 head and the shipped MTP layer): each method's median
+speed over several timed runs, its acceptance length, and whether its tokens equal plain decoding's.
 
     python -m specjax.demo [--max-tokens 64] [--repeats 3]
 """
@@ -16,7 +16,8 @@ from contextlib import contextmanager
 from tqdm.auto import tqdm
 
 from specjax import LLM, SamplingParams
-from specjax.default_model import DEFAULT_EAGLE3_HEAD, cache_root, default_model_dir, download_wheel
+from specjax.default_model import (DEFAULT_EAGLE3_HEAD, DEFAULT_MTP_HEAD, cache_root, default_model_dir,
+                                   download_wheel)
 
 PROMPTS = [
     [{"role": "user", "content": "Repeat this sentence exactly, then repeat it once more: "
@@ -37,6 +38,8 @@ CONFIGS = [
                      "prompt_lookup_min": 2}),
     # The EAGLE-3 head trained for the default model (python -m specjax.training), shipped in the package.
     ("EAGLE-3, k=3", {"method": "eagle3", "model": DEFAULT_EAGLE3_HEAD, "num_speculative_tokens": 3}),
+    # An MTP layer trained for it the same way (--method mtp), rerun on its own output for k > 1.
+    ("MTP, k=3", {"method": "mtp", "model": DEFAULT_MTP_HEAD, "num_speculative_tokens": 3}),
 ]
 
 
@@ -86,7 +89,8 @@ def report(results: list[dict]) -> None:
               f"{length:>18s}  {'-' if r is plain else same}")
     print(f"\n(tokens/s: median of {len(plain['seconds'])} timed runs of {len(PROMPTS)} prompts, "
           f"{plain['tokens']} tokens each run, one request at a time)")
-    print("\nEAGLE-3's answer to the third prompt:\n" + results[-1]["outputs"][2].outputs[0].text.strip())
+    eagle3 = next(r for r in results if r["name"].startswith("EAGLE-3"))
+    print("\nEAGLE-3's answer to the third prompt:\n" + eagle3["outputs"][2].outputs[0].text.strip())
 
 
 def main(argv: list[str] | None = None) -> None:
