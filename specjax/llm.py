@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
+from specjax.parallel.mesh import DATA_AXIS
 from specjax.build import build_engine
 from specjax.config import EngineConfig
 from specjax.default_model import DEFAULT_MODEL
@@ -217,9 +218,10 @@ class LLM:
 
     def _calls(self, requests: list[Request]) -> Iterator[tuple[int, list[Request], list, tuple[float, float]]]:
         """(index of the first request, the requests, their results, (started, returned)) per jitted call: one
-        call under continuous admission when the requests outnumber the slots on one device (unless
-        continuous_admission=False), else a wave each (streaming, and a mesh, run waves)."""
-        if self.config.continuous_admission and len(requests) > self.config.max_num_seqs and self.mesh is None:
+        call under continuous admission when the requests outnumber the slots (unless continuous_admission=False),
+        on one device or a mesh of one data replica, else a wave each (streaming, and data replicas, run waves)."""
+        one_replica = self.mesh is None or self.mesh.shape[DATA_AXIS] == 1
+        if self.config.continuous_admission and len(requests) > self.config.max_num_seqs and one_replica:
             calls = [(start, queue, self._runner.run_queue)
                      for start, queue in _numbered(self._runner.queues(requests))]
         else:

@@ -28,9 +28,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import LLM, SamplingParams, make_generate_fn
+from specjax.engine.admission import Queue
 from specjax.engine.loop import LoopSpec, build_generate
 from specjax.engine.proposers.ngram import NgramProposer
 from specjax.engine.runner import Request
+from specjax.engine.shapes import bucket
 from specjax.engine.state import RowParams
 from specjax.kernels.attention import attention
 from specjax.kernels.attention_reference import attention_reference
@@ -190,6 +192,22 @@ def test_requests_shorter_than_the_prompt_bucket_generate(build, tp, method):
 
 
 @needs_8
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_continuous_admission_at_tp4_equals_tp1(build, target_dir, default_model_dir, method):
+    """More requests than slots over a tensor-parallel mesh: one admitting call whose loops carry the slots' KV
+    caches split by kv head, the same tokens as waves on one device."""
+    llm = LLM(str(target_dir), tokenizer=str(default_model_dir), tensor_parallel_size=4,
+              speculative_config=None if method == "none" else NGRAM, max_model_len=64, max_num_seqs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert _tokens(outs) == _tokens(build(1, method)[1])
+    (trace,) = llm.admission_trace()
+    assert (trace.slots, trace.requests) == (2, len(PROMPTS)) and trace.admissions >= 1
+    fn, args = _queue_state(llm)
+    whiles = " ".join(line for line in fn.lower(*args).compile().as_text().splitlines() if " while(" in line)
+    assert set(re.findall(r"f32\[2,2,(\d+),\d+,8\]", whiles)) == {"1"}   # [L, slots, kv heads / 4, S, D]
+
+
+@needs_8
 def test_functional_core_at_tp2_equals_tp1(build):
     """make_generate_fn on a tensor-parallel LLM runs the sharded loop inside the user's jit."""
     results = []
@@ -289,6 +307,17 @@ def test_an_eagle_head_is_replicated_and_shares_the_targets_split_lm_head(build)
 
 
 # ---------------------------------------------------------------------------------- KV cache and HLO
+
+def _queue_state(llm):
+    """The admitting function and its arguments for PROMPTS as one queue, as run_queue calls it."""
+    runner = llm._runner
+    requests = [Request(p, GREEDY, i) for i, p in enumerate(PROMPTS)]
+    slots = llm.config.max_num_seqs
+    prompts, lengths, rows, cache_len = runner._pack(requests, num_rows=max(bucket(len(requests)), slots))
+    queue = Queue(prompts, lengths, rows, np.int32(len(requests)))
+    return runner.admitting_fn(0, True), (runner.target_state, runner.draft_state, queue, slots, cache_len, 1,
+                                          runner.synthetic_rates, None)
+
 
 def _wave_state(llm):
     runner = llm._runner

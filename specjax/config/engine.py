@@ -85,7 +85,8 @@ class EngineConfig:
     run: attention, the fused projections, the top-k/top-p search), "reference" (pure JAX everywhere) or
     "triton" (the kernels forced). continuous_admission: more requests than max_num_seqs run as one jitted
     call, each slot taking the next request when its row finishes (the default); False runs them in waves of
-    max_num_seqs, one call each (a wave ends with its longest request). A mesh and streaming run waves.
+    max_num_seqs, one call each (a wave ends with its longest request). A tensor-parallel mesh admits too;
+    streaming and data replicas run waves.
     """
 
     model: str

@@ -5,6 +5,9 @@ finished rows'), and goes on until the queue is empty and every row done. A slot
 its request's entry of the results before the slot is reused, so the results come back in request order.
 Randomness is keyed by (seed, position), never by slot, so admission order does not change a sampled row.
 
+Over a mesh (parallel.sharded_loop.sharded_admitting) the slots' caches are pinned to their layout after every
+prefill and decode run, so the outer loop carries them split as the wave loop does.
+
 No lax.cond: the outer while_loop alternates one admission and one decode run that stops as soon as the next
 admission is due (a conditional would copy the KV caches each time it is taken; see loop._body_fn).
 """
@@ -21,6 +24,7 @@ from specjax.engine import loop
 from specjax.engine.adaptive import PolicyInputs
 from specjax.engine.proposers.base import Proposer
 from specjax.engine.state import LoopState, RowParams
+from specjax.parallel.mesh import pin_cache
 
 
 @jax.tree_util.register_dataclass
@@ -73,7 +77,7 @@ def build_admitting(target_graph: nnx.GraphDef, proposer: Proposer, spec: loop.L
             picked = jax.tree.map(lambda x: x[jnp.minimum(indices, queue.tokens.shape[0] - 1)],
                                   (queue.tokens, queue.lengths, queue.rows))
             state = loop.prefill_rows(target, proposer, draft_state, *picked, cache_len, spec, policy, record_len)
-            return state, picked[2]
+            return dataclasses.replace(state, cache=pin_cache(state.cache)), picked[2]
 
         def decode(a: Admission) -> Admission:
             waiting = queue.size - a.next
@@ -84,7 +88,7 @@ def build_admitting(target_graph: nnx.GraphDef, proposer: Proposer, spec: loop.L
 
             state = loop.decode_rows(target, proposer, draft_state, a.loop, a.rows, spec, synthetic_rates,
                                      pause=admission_due)
-            return dataclasses.replace(a, loop=state)
+            return dataclasses.replace(a, loop=dataclasses.replace(state, cache=pin_cache(state.cache)))
 
         def admit(a: Admission) -> Admission:
             B = a.request.shape[0]

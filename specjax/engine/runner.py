@@ -11,7 +11,7 @@ from typing import Any, Iterator, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specjax.config import EngineConfig, SpeculativeConfig
 from specjax.default_model import cache_root
@@ -24,6 +24,7 @@ from specjax.engine.proposers.base import Proposer, spare_slots
 from specjax.engine.rows import row_params
 from specjax.engine.shapes import MIN_PROMPT_BUCKET, bucket, buffer_len
 from specjax.engine.state import LoopState, RowParams, TokenLogprobs
+from specjax.parallel.sharded_loop import sharded_admitting
 from specjax.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams, to_row_arrays
 
 
@@ -230,8 +231,12 @@ class WaveRunner:
         if key not in self._admitting:
             fn = build_admitting(self.target_graph, self.proposer, self._spec(*key),
                                  admit_batch=admit_batch(self.config.max_num_seqs))
+            # Over a mesh the results come back whole on every device (each process of a multi-host mesh reads them).
+            replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
+            fn = fn if self.mesh is None else sharded_admitting(fn, self.mesh)
             options = loop_compiler_options() if self._options() is None else self._options()
-            self._admitting[key] = jax.jit(fn, static_argnums=(3, 4, 5), compiler_options=options)
+            self._admitting[key] = jax.jit(fn, static_argnums=(3, 4, 5), compiler_options=options,
+                                           out_shardings=replicated)
         return self._admitting[key]
 
     def stream_fns(self, n_top: int, greedy: bool, ranks: bool = False, prompt_top: int | None = None):

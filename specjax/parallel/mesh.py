@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -53,6 +53,16 @@ def traced_with(layout: Layout | None) -> Iterator[None]:
 
 def current_layout() -> Layout | None:
     return _LAYOUT.get()
+
+
+def pin_cache(cache: Any) -> Any:
+    """A model's cache (models.family.Cache) held to its layout's sharding while tracing over a mesh (split by
+    kv head, or whole on each device), as it is after every step; unchanged off a mesh."""
+    layout = current_layout()
+    if layout is None:
+        return cache
+    return jax.tree.map(lambda leaf, spec: jax.lax.with_sharding_constraint(leaf, NamedSharding(layout.mesh, spec)),
+                        cache, cache.specs(layout))
 
 
 def shards_kv_heads(num_kv_heads: int, num_shards: int) -> bool:

@@ -7,9 +7,9 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
-from specjax.parallel.mesh import DATA_AXIS, MODEL_AXIS, Layout, current_layout, traced_with
+from specjax.parallel.mesh import DATA_AXIS, MODEL_AXIS, Layout, current_layout, pin_cache, traced_with
 
 
 def sharded_generate(generate: Callable, mesh: Mesh) -> Callable:
@@ -27,9 +27,7 @@ def sharded_generate(generate: Callable, mesh: Mesh) -> Callable:
         with traced_with(layout):
             state = generate(target_state, draft_state, prompt_tokens, prompt_lengths, rows, cache_len,
                              synthetic_rates, policy)
-        cache = jax.tree.map(lambda leaf, spec: jax.lax.with_sharding_constraint(leaf, NamedSharding(layout.mesh,
-                                                                                                     spec)),
-                             state.cache, state.cache.specs(layout))
+            cache = pin_cache(state.cache)
         per_replica = jax.tree.map(lambda leaf: leaf[None], (state.steps, state.adapt))
         return dataclasses.replace(state, cache=None, proposer=None, steps=None, adapt=None), cache, per_replica
 
@@ -43,6 +41,22 @@ def sharded_generate(generate: Callable, mesh: Mesh) -> Callable:
         )(target_state, draft_state, prompt_tokens, prompt_lengths, rows, synthetic_rates, policy)
         return dataclasses.replace(state, cache=cache, steps=jnp.max(steps),
                                    adapt=jax.tree.map(lambda leaf: leaf[0], adapt))
+
+    return run
+
+
+def sharded_admitting(admitting: Callable, mesh: Mesh) -> Callable:
+    """build_admitting's function run over a mesh of one data replica: one queue for every device, tensor-parallel
+    over "model" as the wave loop is (admission.py pins the slots' caches to their layout inside its loop, since
+    it returns no cache whose sharding would pin them). Several replicas would each need their own queue."""
+    if mesh.shape[DATA_AXIS] != 1:
+        raise ValueError(f"continuous admission runs over meshes of one data replica; this one has "
+                         f"{mesh.shape[DATA_AXIS]} (run waves: continuous_admission=False)")
+    layout = Layout(mesh, head_axis=MODEL_AXIS)
+
+    def run(*args, **kwargs):
+        with traced_with(layout):
+            return admitting(*args, **kwargs)
 
     return run
 
