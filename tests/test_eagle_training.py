@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from safetensors.numpy import load_file
+from training_checks import assert_ttt_drafts_as_inference
 
 from checkpoints_conv.eagle_loader import load_eagle_head
 from checkpoints_conv.eagle_writer import save_eagle3_head
@@ -90,18 +91,7 @@ def test_training_time_test_attends_as_inference_drafts(tiny_target, recorded):
     store, _ = recorded
     head = new_head(TINY_CFG, tiny_target[1], np.arange(40, dtype=np.int32), AUX, seed=3)
     batch = make_batch(store, [0])
-    tokens, aux = jnp.asarray(batch.tokens), jnp.asarray(batch.aux)
-    steps = 3
-    outputs = ttt_forward(head, tokens, aux, steps)
-    features = head.combine(aux)
-    for t in (0, 4, 9):
-        cache = head.init_cache(1, 64)
-        out, feed, cache = head(tokens[:, 1:t + 2], features[:, :t + 1], jnp.zeros((1,), jnp.int32), cache)
-        np.testing.assert_allclose(out[0, t], outputs[0][0, t], rtol=1e-4, atol=1e-4)
-        hidden = feed[:, t:t + 1]
-        for j in range(1, steps):
-            out, hidden, cache = head(tokens[:, t + j + 1:t + j + 2], hidden, jnp.asarray([t + j]), cache)
-            np.testing.assert_allclose(out[0, 0], outputs[j][0, t], rtol=1e-4, atol=1e-4)
+    assert_ttt_drafts_as_inference(head, jnp.asarray(batch.tokens), jnp.asarray(batch.aux), 3)
 
 
 def test_training_lowers_the_loss_and_round_trips_through_the_published_layout(tiny_target, recorded, tmp_path):

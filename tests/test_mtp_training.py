@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from safetensors.numpy import load_file
+from training_checks import assert_ttt_drafts_as_inference
 
 from checkpoints_conv.mtp_loader import load_mtp_head
 from checkpoints_conv.mtp_writer import save_mtp_head
@@ -59,17 +60,7 @@ def test_training_time_test_drafts_as_mtp_inference(tiny_target, recorded):
     final state at t, later steps the layer's own output, over the head's KV cache."""
     head = new_mtp_head(TINY_CFG, tiny_target[1], seed=3)
     batch = make_batch(recorded, [2])
-    tokens, final = jnp.asarray(batch.tokens), jnp.asarray(batch.final, jnp.float32)
-    steps = 3
-    outputs = ttt_forward(head, tokens, final, steps)
-    for t in (0, 3, 8):
-        cache = head.init_cache(1, 64)
-        out, feed, cache = head(tokens[:, 1:t + 2], final[:, :t + 1], jnp.zeros((1,), jnp.int32), cache)
-        np.testing.assert_allclose(out[0, t], outputs[0][0, t], rtol=1e-4, atol=1e-4)
-        hidden = feed[:, t:t + 1]
-        for j in range(1, steps):
-            out, hidden, cache = head(tokens[:, t + j + 1:t + j + 2], hidden, jnp.asarray([t + j]), cache)
-            np.testing.assert_allclose(out[0, 0], outputs[j][0, t], rtol=1e-4, atol=1e-4)
+    assert_ttt_drafts_as_inference(head, jnp.asarray(batch.tokens), jnp.asarray(batch.final, jnp.float32), 3)
 
 
 def test_mtp_training_lowers_the_loss_and_round_trips_through_the_mimo_layout(tiny_target, recorded, tmp_path):
