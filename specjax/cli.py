@@ -77,7 +77,7 @@ def _add_speculative_flags(parser: argparse.ArgumentParser, *, sweep: bool = Fal
     group = parser.add_argument_group("speculative decoding (speculative_config keys; none given: plain decoding)")
     group.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
                        help="vLLM's speculative_config as JSON; the flags below override its keys")
-    group.add_argument("--method", default=None, help="ngram, draft_model, eagle or eagle3 (inferred if omitted)")
+    group.add_argument("--method", default=None, help="ngram, draft_model, eagle, eagle3 or mtp (inferred if omitted)")
     group.add_argument("--draft-model", default=None,
                        help="draft model or head: a directory, Hub id, or EAGLE3-SmolLM2-135M-Instruct (shipped)")
     if sweep:
