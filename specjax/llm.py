@@ -189,9 +189,9 @@ class LLM:
         requests, owners = self._requests(token_lists, params_list)
         finished: list[list[_Finished]] = [[] for _ in prompt_list]
         with tqdm(total=len(requests), disable=not use_tqdm, desc="Processed prompts") as bar:
-            for start, batch, results, span in self._calls(requests):
-                for owner, request, result in zip(owners[start:], batch, results):
-                    finished[owner].append(_Finished(request, result, span))
+            for indices, batch, results, span in self._calls(requests):
+                for i, request, result in zip(indices, batch, results):
+                    finished[owners[i]].append(_Finished(request, result, span))
                 bar.update(len(batch))
         return [self._request_output(i, p, ids, done, arrival)
                 for i, (p, ids, done) in enumerate(zip(prompt_list, token_lists, finished))]
@@ -216,20 +216,21 @@ class LLM:
                     yield StreamOutput(str(owner), child[j], [], "", True, self._request_output(
                         owner, prompt_list[owner], token_lists[owner], finished[owner], arrival))
 
-    def _calls(self, requests: list[Request]) -> Iterator[tuple[int, list[Request], list, tuple[float, float]]]:
-        """(index of the first request, the requests, their results, (started, returned)) per jitted call: one
-        call under continuous admission when the requests outnumber the slots (unless continuous_admission=False),
-        on one device or a mesh of one data replica, else a wave each (streaming, and data replicas, run waves)."""
+    def _calls(self, requests: list[Request]) -> Iterator[tuple[list[int], list[Request], list, tuple[float, float]]]:
+        """(the requests' indices, the requests, their results, (started, returned)) per jitted call: calls under
+        continuous admission when the requests outnumber the slots (unless continuous_admission=False), on one
+        device or a mesh of one data replica, else a wave each (streaming, and data replicas, run waves)."""
         one_replica = self.mesh is None or self.mesh.shape[DATA_AXIS] == 1
         if self.config.continuous_admission and len(requests) > self.config.max_num_seqs and one_replica:
-            calls = [(start, queue, self._runner.run_queue)
-                     for start, queue in _numbered(self._runner.queues(requests))]
+            calls = [(indices, self._runner.run_queue) for indices in self._runner.queues(requests)]
         else:
-            calls = [(start, wave, self._runner.run_wave) for start, wave in self._waves(requests)]
-        for start, batch, run in calls:
+            calls = [(list(range(start, start + len(wave))), self._runner.run_wave)
+                     for start, wave in self._waves(requests)]
+        for indices, run in calls:
+            batch = [requests[i] for i in indices]
             started = time.time()
             results = run(batch)
-            yield start, batch, results, (started, time.time())
+            yield indices, batch, results, (started, time.time())
 
     def _waves(self, requests: list[Request]) -> Iterator[tuple[int, list[Request]]]:
         """The runner's waves, each with the index of its first request."""

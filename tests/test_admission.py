@@ -189,3 +189,29 @@ def test_a_queue_too_large_for_one_call_runs_in_several(tiny_dir, default_model_
     llm = _llm(tiny_dir, default_model_dir)
     assert _tokens(llm.generate(*workload, use_tqdm=False)) == plain_tokens
     assert [t.requests for t in llm.admission_trace()] == [30, 30, 30, 14]
+
+
+def test_length_groups_keep_short_prompts_out_of_long_prompts_calls():
+    slots = 2
+    # Buckets 16 (x5), 32, 64 (x2), 256 (x4): 64 is within 4x of 16; 256 is not, and 4 requests are enough.
+    lengths = [10, 300, 12, 40, 200, 5, 60, 250, 64, 3, 9, 220]
+    assert runner.length_groups(lengths, slots) == [[0, 2, 3, 5, 6, 8, 9, 10], [1, 4, 7, 11]]
+    # Too few long ones to pay for a call of their own: they join the short ones.
+    assert runner.length_groups(lengths[:5], slots) == [[0, 1, 2, 3, 4]]
+    # Too few short ones to close a group: the long ones join them.
+    assert runner.length_groups([3, 300, 301, 302, 303], slots) == [[0, 1, 2, 3, 4]]
+    assert runner.length_groups([], slots) == []
+
+
+def test_prompts_of_very_different_lengths_are_admitted_in_calls_of_their_own(tiny_dir, default_model_dir):
+    """Short prompts do not prefill at the width of a long one: they run in their own admitted call; the outputs
+    are still in request order and equal waves'."""
+    rng = np.random.default_rng(5)
+    lengths = [int(n) for n in rng.permutation([4] * 20 + [100] * 20)]   # buckets 16 and 128
+    prompts = [{"prompt_token_ids": [(7 * n + 3 * j) % 90 + 3 for j in range(n)]} for n in lengths]
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6)
+    limits = dict(tokenizer=str(default_model_dir), max_model_len=128, max_num_seqs=SLOTS)
+    waves = LLM(str(tiny_dir), continuous_admission=False, **limits).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tiny_dir), **limits)
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == _tokens(waves)
+    assert [t.requests for t in llm.admission_trace()] == [20, 20]

@@ -127,16 +127,17 @@ class WaveRunner:
         state = run(self._policy_inputs(run, key, rows, lengths, cache_len), rows)
         return self._results(state, wave)
 
-    def queues(self, requests: Sequence[Request]) -> Iterator[list[Request]]:
-        """The requests in calls of continuous admission: as many per call as QUEUE_RESULT_BYTES of results
-        hold at max_model_len (a call keeps every request's tokens and records on the device until it
-        returns), and more than the slots."""
+    def queues(self, requests: Sequence[Request]) -> Iterator[list[int]]:
+        """The requests (their indices) in calls of continuous admission: grouped by prompt length
+        (length_groups), then as many per call as QUEUE_RESULT_BYTES of results hold at max_model_len (a call
+        keeps every request's tokens and records on the device until it returns), and more than the slots."""
         n_top = max(_num_top(r.params.logprobs, self.vocab_size) + _num_top(r.params.prompt_logprobs,
                                                                              self.vocab_size) for r in requests)
         per_request = (self.config.max_model_len + spare_slots(self.proposer) + 1) * RECORD_BYTES * (1 + n_top)
         step = max(self.config.max_num_seqs + 1, QUEUE_RESULT_BYTES // per_request)
-        for i in range(0, len(requests), step):
-            yield list(requests[i:i + step])
+        for group in length_groups([len(r.prompt_token_ids) for r in requests], self.config.max_num_seqs):
+            for i in range(0, len(group), step):
+                yield group[i:i + step]
 
     def run_queue(self, requests: Sequence[Request]) -> list[RowResult]:
         """More requests than slots in one jitted call: each slot takes the next request when its row is done
@@ -298,6 +299,31 @@ class WaveRunner:
     def _max_new(self, r: Request) -> int:
         room = self.config.max_model_len - len(r.prompt_token_ids)
         return room if r.params.max_tokens is None else min(r.params.max_tokens, room)
+
+
+# A call's prompts share its longest one's padded width, so every admitted prefill runs at that width: a prompt
+# padded to over PADDING_LIMIT times its own bucket goes in a call of shorter prompts, once those are enough for
+# admission to pay (GROUP_SLOTS times the slots; fewer would be mostly a draining tail).
+PADDING_LIMIT = 4
+GROUP_SLOTS = 2
+
+
+def length_groups(prompt_lengths: Sequence[int], slots: int) -> list[list[int]]:
+    """Request indices in groups of similar prompt length (each group in request order): shortest first, a
+    group closed where the next prompt's bucket exceeds PADDING_LIMIT times the group's first and the group
+    holds GROUP_SLOTS x slots requests; a short last group joins the one before."""
+    order = sorted(range(len(prompt_lengths)), key=lambda i: prompt_lengths[i])   # stable: ties keep their order
+    groups: list[list[int]] = []
+    for i in order:
+        width = bucket(prompt_lengths[i], MIN_PROMPT_BUCKET)
+        current = groups[-1] if groups else None
+        if (current is None or (width > PADDING_LIMIT * bucket(prompt_lengths[current[0]], MIN_PROMPT_BUCKET)
+                                and len(current) >= GROUP_SLOTS * slots)):
+            groups.append([])
+        groups[-1].append(i)
+    if len(groups) > 1 and len(groups[-1]) < GROUP_SLOTS * slots:
+        groups[-2].extend(groups.pop())
+    return [sorted(group) for group in groups]
 
 
 def _spec_key(wave: Sequence[Request], rows: RowParams, vocab_size: int) -> tuple[int, bool, bool, int | None]:
