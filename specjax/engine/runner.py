@@ -301,9 +301,9 @@ class WaveRunner:
         return room if r.params.max_tokens is None else min(r.params.max_tokens, room)
 
 
-# A call's prompts share its longest one's padded width, so every admitted prefill runs at that width: a prompt
-# padded to over PADDING_LIMIT times its own bucket goes in a call of shorter prompts, once those are enough for
-# admission to pay (GROUP_SLOTS times the slots; fewer would be mostly a draining tail).
+# A call's prompts share its longest one's padded width, so every admitted prefill runs at that width. Where that
+# would pad short prompts to over PADDING_LIMIT times their own bucket, they go in a call of their own, once they
+# are enough for admission to pay (GROUP_SLOTS times the slots; fewer would be mostly a draining tail).
 PADDING_LIMIT = 4
 GROUP_SLOTS = 2
 
