@@ -192,14 +192,14 @@ def test_a_queue_too_large_for_one_call_runs_in_several(tiny_dir, default_model_
 
 
 def test_length_groups_keep_short_prompts_out_of_long_prompts_calls():
-    slots = 2
-    # Buckets 16 (x5), 32, 64 (x2), 256 (x4): 64 is within 4x of 16; 256 is not, and 4 requests are enough.
+    slots = 3
+    # Buckets 16 (x5), 32, 64 (x2), 256 (x4): 64 is within 4x of 16; 256 is not, and 4 requests fill the slots.
     lengths = [10, 300, 12, 40, 200, 5, 60, 250, 64, 3, 9, 220]
     assert runner.length_groups(lengths, slots) == [[0, 2, 3, 5, 6, 8, 9, 10], [1, 4, 7, 11]]
-    # Too few long ones to pay for a call of their own: they join the short ones.
+    # Too few long ones to fill the slots: they join the short ones.
     assert runner.length_groups(lengths[:5], slots) == [[0, 1, 2, 3, 4]]
     # Too few short ones to close a group: the long ones join them.
-    assert runner.length_groups([3, 300, 301, 302, 303], slots) == [[0, 1, 2, 3, 4]]
+    assert runner.length_groups([3, 4, 300, 301, 302, 303], slots) == [[0, 1, 2, 3, 4, 5]]
     assert runner.length_groups([], slots) == []
 
 

@@ -302,26 +302,25 @@ class WaveRunner:
 
 
 # A call's prompts share its longest one's padded width, so every admitted prefill runs at that width. Where that
-# would pad short prompts to over PADDING_LIMIT times their own bucket, they go in a call of their own, once they
-# are enough for admission to pay (GROUP_SLOTS times the slots; fewer would be mostly a draining tail).
+# would pad short prompts to over PADDING_LIMIT times their own bucket, short and long prompts go in calls of their
+# own when each group fills the slots (a smaller group would run with slots empty: it joins its neighbour).
 PADDING_LIMIT = 4
-GROUP_SLOTS = 2
 
 
 def length_groups(prompt_lengths: Sequence[int], slots: int) -> list[list[int]]:
     """Request indices in groups of similar prompt length (each group in request order): shortest first, a
-    group closed where the next prompt's bucket exceeds PADDING_LIMIT times the group's first and the group
-    holds GROUP_SLOTS x slots requests; a short last group joins the one before."""
-    order = sorted(range(len(prompt_lengths)), key=lambda i: prompt_lengths[i])   # stable: ties keep their order
+    group closed before a prompt that would widen it to over PADDING_LIMIT times its first prompt's bucket, once
+    it fills the slots; a last group smaller than the slots joins the one before."""
+    def width(i: int) -> int:
+        return bucket(prompt_lengths[i], MIN_PROMPT_BUCKET)
+
     groups: list[list[int]] = []
-    for i in order:
-        width = bucket(prompt_lengths[i], MIN_PROMPT_BUCKET)
-        current = groups[-1] if groups else None
-        if (current is None or (width > PADDING_LIMIT * bucket(prompt_lengths[current[0]], MIN_PROMPT_BUCKET)
-                                and len(current) >= GROUP_SLOTS * slots)):
+    for i in sorted(range(len(prompt_lengths)), key=lambda i: prompt_lengths[i]):   # stable: ties keep order
+        group = groups[-1] if groups else []
+        if not groups or (width(i) > max(width(group[-1]), PADDING_LIMIT * width(group[0])) and len(group) >= slots):
             groups.append([])
         groups[-1].append(i)
-    if len(groups) > 1 and len(groups[-1]) < GROUP_SLOTS * slots:
+    if len(groups) > 1 and len(groups[-1]) < slots:
         groups[-2].extend(groups.pop())
     return [sorted(group) for group in groups]
 
