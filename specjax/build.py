@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -71,7 +71,7 @@ def build_engine(config: EngineConfig) -> Engine:
     path = resolve_model(config.model, revision=config.revision)
     hf_config = read_config_json(path)
     family, model_cfg = config_from_hf(hf_config)
-    config = config.resolve(model_cfg, num_mtp_layers(hf_config))
+    config = config.resolve(model_cfg, _mtp_layers(hf_config, config.speculative_config))
     tokenizer = load_tokenizer(path if config.tokenizer == config.model else config.tokenizer,
                                trust_remote_code=config.trust_remote_code)
     target = load_target(family, model_cfg, path, config)
@@ -155,6 +155,16 @@ def _eagle(spec: SpeculativeConfig, target: Target, unroll_layers: bool | None) 
     path = resolve_model(spec.model, revision=spec.revision, allow_patterns=EAGLE_HEAD_FILES)
     head = load_eagle_head(path, spec.method, target.cfg, target.params, target.dtype, kernels=target.kernels)
     return _head_proposer(head, spec, target)
+
+
+def _mtp_layers(target_config: dict, speculative_config: Any) -> int:
+    """The MTP layers method "mtp" drafts with (its num_speculative_tokens defaults to their number): an MTP head
+    directory's when one is given as the "model" (a path, a Hub id or a shipped head's name), else the target's."""
+    spec = speculative_config if isinstance(speculative_config, Mapping) else {}
+    method, model = spec.get("method"), spec.get("model")
+    if isinstance(method, str) and method.endswith("mtp") and isinstance(model, (str, Path)):
+        return num_mtp_layers(read_config_json(resolve_model(model, revision=spec.get("revision"))))
+    return num_mtp_layers(target_config)
 
 
 def _mtp(spec: SpeculativeConfig, target: Target, unroll_layers: bool | None) -> tuple[Proposer, Any]:

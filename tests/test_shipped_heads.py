@@ -40,6 +40,12 @@ def test_shipped_mtp_head_is_one_mimo_layout_layer_for_the_default_model():
     assert resolve_model(DEFAULT_MTP_HEAD) == head
 
 
+def test_method_mtp_takes_k_from_the_mtp_head_it_is_given():
+    """vLLM's rule (k defaults to the number of MTP layers) read from the head directory: one layer here."""
+    llm = LLM(max_num_seqs=1, max_model_len=128, speculative_config={"method": "mtp", "model": DEFAULT_MTP_HEAD})
+    assert llm.config.speculative.num_speculative_tokens == 1
+
+
 def test_shipped_head_name_infers_eagle3():
     spec = SpeculativeConfig.from_dict({"model": DEFAULT_EAGLE3_HEAD, "num_speculative_tokens": 3},
                                        target_max_model_len=1024, target_tensor_parallel_size=1)

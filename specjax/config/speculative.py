@@ -77,7 +77,7 @@ class SpeculativeConfig:
     def from_dict(cls, d: Mapping[str, Any] | None, *, target_max_model_len: int,
                   target_tensor_parallel_size: int, target_mtp_layers: int = 0) -> SpeculativeConfig | None:
         """Parse and validate `speculative_config`; None (no speculation) stays None. target_mtp_layers: the MTP
-        layers the target's checkpoint carries (method "mtp" drafts with them)."""
+        layers method "mtp" drafts with (the target's, or those of the MTP head given as 'model')."""
         if d is None:
             return None
         check_int(target_max_model_len, "target_max_model_len", minimum=1)
@@ -226,11 +226,12 @@ def _mtp_k(k: Any, mtp_layers: int, model: str | None) -> int:
                          f"{MTP_FAMILIES}. Pass 'model' (an MTP head directory) or use another method")
     if k is None:
         if mtp_layers == 0:
-            raise ValueError("speculative_config needs 'num_speculative_tokens' for an MTP head given as 'model'")
+            raise ValueError("speculative_config needs 'num_speculative_tokens' for an MTP head given as 'model' "
+                             "whose config.json declares no num_nextn_predict_layers")
         return mtp_layers
     k = _required_k(k)
     if mtp_layers and k > mtp_layers and k % mtp_layers:
-        raise ValueError(f"speculative_config num_speculative_tokens={k} must be a multiple of the target's "
+        raise ValueError(f"speculative_config num_speculative_tokens={k} must be a multiple of the "
                          f"{mtp_layers} MTP layers when larger than it")
     if k > 1:
         warnings.warn("Enabling num_speculative_tokens > 1 will run multiple times of forward on same MTP layer, "
