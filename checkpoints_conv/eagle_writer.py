@@ -17,11 +17,8 @@ from typing import Any, Mapping
 import numpy as np
 from safetensors.numpy import save_file
 
-from checkpoints_conv.safetensors_writer import hf_tensors, module_leaves
+from checkpoints_conv.safetensors_writer import cast_to, hf_tensors, module_leaves
 from specjax.models.eagle import EagleHead, head_weight_map
-
-HEAD_DTYPES = {"float32": np.float32, "float16": np.float16}
-
 
 def save_eagle3_head(head: EagleHead, out_dir: str | Path, target_config: Mapping[str, Any],
                      dtype: str = "float16") -> Path:
@@ -29,13 +26,9 @@ def save_eagle3_head(head: EagleHead, out_dir: str | Path, target_config: Mappin
     cfg = head.cfg
     if cfg.method != "eagle3" or cfg.lm_head_source != "head":
         raise ValueError("save_eagle3_head writes EAGLE-3 heads with their own lm_head (what training makes)")
-    if dtype not in HEAD_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(HEAD_DTYPES)}, got {dtype!r}")
+    tensors = {**cast_to(_published_tensors(head), dtype), **_vocabulary_maps(head)}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {name: np.ascontiguousarray(array.astype(HEAD_DTYPES[dtype]))
-               for name, array in _published_tensors(head).items()}
-    tensors.update(_vocabulary_maps(head))
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(_config(head, target_config, dtype), indent=2) + "\n")
     return out

@@ -14,8 +14,7 @@ from typing import Any, Mapping
 
 from safetensors.numpy import save_file
 
-from checkpoints_conv.eagle_writer import HEAD_DTYPES
-from checkpoints_conv.safetensors_writer import hf_tensors, module_leaves
+from checkpoints_conv.safetensors_writer import cast_to, hf_tensors, module_leaves
 from specjax.models.mtp import MtpHead, mtp_weight_map
 
 
@@ -24,12 +23,9 @@ def save_mtp_head(head: MtpHead, out_dir: str | Path, target_config: Mapping[str
     """Write `head` (a MiMo-layout MtpHead) into out_dir; returns out_dir."""
     if head.cfg.layout != "mimo":
         raise ValueError("save_mtp_head writes MiMo-layout MTP heads (what training makes for Llama-family targets)")
-    if dtype not in HEAD_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(HEAD_DTYPES)}, got {dtype!r}")
+    tensors = cast_to(hf_tensors(module_leaves(head), mtp_weight_map(head.cfg)), dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {name: array.astype(HEAD_DTYPES[dtype])
-               for name, array in hf_tensors(module_leaves(head), mtp_weight_map(head.cfg)).items()}
     save_file(tensors, str(out / "model.safetensors"))
     config = {k: v for k, v in target_config.items() if k not in ("torch_dtype", "dtype")}
     config.update(num_nextn_predict_layers=1, torch_dtype=dtype)

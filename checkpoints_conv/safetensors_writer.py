@@ -11,6 +11,16 @@ from flax.traverse_util import flatten_dict
 from specjax.models.weight_map import LeafSpec, split_columns
 
 
+HEAD_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+def cast_to(tensors: Mapping[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
+    """The tensors in `dtype` ("float32" or "float16", the dtypes heads are saved in), contiguous."""
+    if dtype not in HEAD_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(HEAD_DTYPES)}, got {dtype!r}")
+    return {name: np.ascontiguousarray(array.astype(HEAD_DTYPES[dtype])) for name, array in tensors.items()}
+
+
 def module_leaves(module: nnx.Module) -> dict[str, np.ndarray]:
     """A module's Params by their weight-map paths ("block/w_qkv"), as float32 numpy arrays."""
     params = flatten_dict(nnx.to_pure_dict(nnx.state(module, nnx.Param)))

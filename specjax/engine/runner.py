@@ -232,9 +232,9 @@ class WaveRunner:
         if key not in self._admitting:
             fn = build_admitting(self.target_graph, self.proposer, self._spec(*key),
                                  admit_batch=admit_batch(self.config.max_num_seqs))
-            # Over a mesh the results come back whole on every device (each process of a multi-host mesh reads them).
-            replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
-            fn = fn if self.mesh is None else sharded_admitting(fn, self.mesh)
+            replicated = None
+            if self.mesh is not None:   # results whole on every device: each process of a multi-host mesh reads them
+                fn, replicated = sharded_admitting(fn, self.mesh), NamedSharding(self.mesh, P())
             options = loop_compiler_options() if self._options() is None else self._options()
             self._admitting[key] = jax.jit(fn, static_argnums=(3, 4, 5), compiler_options=options,
                                            out_shardings=replicated)
