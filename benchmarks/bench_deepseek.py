@@ -9,6 +9,11 @@ the batch selects (counted by routing random hidden states through each MoE laye
 cache, over the copy bandwidth measured in the same process.
 
     PYTHONPATH=. python benchmarks/bench_deepseek.py [--suites v3_step,v2_e2e,mtp,v2_transformers] [--smoke]
+        [--forms kernel,xla] [--batches B ...] [--profile]
+
+(--forms: which forms v3_step and v2_e2e time, the grouped matmul kernel and XLA's with it off; --profile: v3_step
+also traces 5 steps of the kernel form at batch 1 and 8, v2_e2e its plain loops, and writes where the device time
+goes, per kernel kind.)
 
 (v2_transformers, transformers' own V2-Lite as the peer, runs in a child process first.)
 
@@ -26,9 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.bench_engine import (SMOKE_SIZES, Sizes, acceptance_sweep, head_step_time, run_plain, step_time,
-                                     subject)
+from benchmarks.bench_engine import (SMOKE_SIZES, Sizes, acceptance_sweep, empty_cache, head_step_time, run_plain,
+                                     step_time, subject)
 from benchmarks.common import copy_bandwidth, print_table, write_json
+from benchmarks.device_trace import busy_ns, by_kernel, traced_kernels
 from specjax.engine.proposers.eagle import HeadProposer
 from specjax.kernels.policy import KernelPolicy
 from specjax.models.deepseek import FAMILY, DeepseekConfig
@@ -36,6 +42,7 @@ from specjax.models.moe import route
 from specjax.models.mtp import MtpConfig, MtpHead
 
 SUITES = ("v3_step", "v2_e2e", "mtp", "v2_transformers")
+FORMS = ("kernel", "xla")
 YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
 # DeepSeek-V3's config.json, 4 layers instead of 61, the first one dense (V3 has 3).
 V3_4_LAYERS = {
@@ -116,21 +123,30 @@ def stepped_subject(cfg: DeepseekConfig):
     return leaves(state), subject(cfg, graph, state)
 
 
-def without_grouped_kernel(cfg: DeepseekConfig, target):
-    """The same weights with the experts and FP8 projections compiled by XLA (the grouped matmul kernel off)."""
-    policy = KernelPolicy(grouped_matmul_kernel=False)
-    graph = nnx.graphdef(nnx.eval_shape(lambda: FAMILY.random(cfg, dtype=jnp.bfloat16, kernels=policy)))
-    return subject(cfg, graph, target.state)
+def form_subjects(cfg: DeepseekConfig, target, forms: tuple[str, ...]) -> dict:
+    """The target under each of `forms`: "kernel" as built, "xla" the same weights with the experts and the
+    few-row projections compiled by XLA (the grouped matmul kernel off)."""
+    def without_grouped_kernel():
+        policy = KernelPolicy(grouped_matmul_kernel=False)
+        graph = nnx.graphdef(nnx.eval_shape(lambda: FAMILY.random(cfg, dtype=jnp.bfloat16, kernels=policy)))
+        return subject(cfg, graph, target.state)
+    makers = {"kernel": lambda: target, "xla": without_grouped_kernel}
+    return {form: makers[form]() for form in forms}
 
 
-def v3_step_suite(bandwidth: float, smoke: bool) -> list[dict]:
+def v3_step_suite(bandwidth: float, smoke: bool, batches: tuple[int, ...], forms: tuple[str, ...] = FORMS,
+                  profile: bool = False) -> list[dict]:
     """Decode steps of rows of distinct random tokens (so that rows route apart), the grouped matmul kernel on and
-    off."""
+    off (`forms`); with `profile`, where the kernel form's batch 1 and 8 steps spend their device time."""
     cfg = config(V3_4_LAYERS, smoke)
     weights, target = stepped_subject(cfg)
-    subjects = {"kernel": target, "xla": without_grouped_kernel(cfg, target)}
+    subjects = form_subjects(cfg, target, forms)
+    if profile:
+        profiles = [step_profile(target, B) for B in ((1,) if smoke else (1, 8))]
+        print_table(profiles)
+        write_json("bench_deepseek_v3_profile", profiles)
     rows = []
-    for B in (1,) if smoke else V3_BATCHES:
+    for B in batches:
         distinct = distinct_experts(weights, cfg, B)
         floor = floor_bytes(weights, cfg, distinct, B, 1, CONTEXT) / bandwidth
         for experts, model in subjects.items():
@@ -142,12 +158,40 @@ def v3_step_suite(bandwidth: float, smoke: bool) -> list[dict]:
     return rows
 
 
-def v2_e2e_suite(bandwidth: float, smoke: bool, sizes_run: Sizes) -> list[dict]:
+def step_profile(model, B: int, steps: int = 5) -> dict:
+    """Kernels per step, device busy time per step and the largest kernel kinds' time per step, from a profiler
+    trace of `steps` decode steps at CONTEXT (rows of distinct tokens)."""
+    holder = [empty_cache(model, B, CONTEXT + 17)]
+    tokens = jax.random.randint(jax.random.key(B), (B, 1), 0, model.cfg.vocab_size, jnp.int32)
+    start = jnp.full((B,), CONTEXT, jnp.int32)
+
+    def run():
+        for _ in range(steps):
+            logits, holder[0] = model.step(model.state, holder[0], tokens, start, None)
+        return logits
+    kernels = traced_kernels(run)
+    kinds = by_kernel(kernels, per=steps, top=12)
+    return dict(batch=B, kernels_per_step=len(kernels) / steps, busy_us_per_step=busy_ns(kernels) / steps / 1e3,
+                **{f"{row['kernel'][:48]} (n, us)": (row["count"], round(row["us"], 1)) for row in kinds})
+
+
+def loop_profile(model, B: int, sizes_run: Sizes) -> dict:
+    """Kernels and device busy time per generated token of the plain loop (its prefill included), and the largest
+    kernel kinds', from a profiler trace of run_plain's four generate calls."""
+    kernels = traced_kernels(lambda: run_plain(model, B, sizes_run.prompt_len, sizes_run.new_tokens))
+    per = 4 * sizes_run.new_tokens
+    kinds = by_kernel(kernels, per=per, top=12)
+    return dict(batch=B, kernels_per_token=len(kernels) / per, busy_us_per_token=busy_ns(kernels) / per / 1e3,
+                **{f"{row['kernel'][:48]} (n, us)": (row["count"], round(row["us"], 1)) for row in kinds})
+
+
+def v2_e2e_suite(bandwidth: float, smoke: bool, sizes_run: Sizes, batches: tuple[int, ...],
+                 forms: tuple[str, ...] = FORMS, profile: bool = False) -> list[dict]:
     cfg = config(V2_LITE, smoke)
     weights, target = stepped_subject(cfg)
-    subjects = {"kernel": target, "xla": without_grouped_kernel(cfg, target)}
+    subjects = form_subjects(cfg, target, forms)
     rows = []
-    for B in (1,) if smoke else V2_BATCHES:
+    for B in batches:
         distinct = distinct_experts(weights, cfg, B)
         context = sizes_run.prompt_len + sizes_run.new_tokens // 2
         floor = floor_bytes(weights, cfg, distinct, B, 1, context) / bandwidth
@@ -158,6 +202,10 @@ def v2_e2e_suite(bandwidth: float, smoke: bool, sizes_run: Sizes) -> list[dict]:
                              tok_s=B * sizes_run.new_tokens / steady, step_ms=1e3 * t_step, floor_ms=1e3 * floor,
                              roofline_frac=floor / t_step, distinct_experts=distinct, compile_s=first - steady))
             print(rows[-1], flush=True)
+    if profile:
+        profiles = [loop_profile(target, B, sizes_run) for B in batches]
+        print_table(profiles)
+        write_json("bench_deepseek_v2_profile", profiles)
     return rows
 
 
@@ -173,7 +221,7 @@ def hf_config(d: dict, smoke: bool):
     return DeepseekV2Config(**fields)
 
 
-def v2_transformers_suite(smoke: bool, sizes_run: Sizes) -> list[dict]:
+def v2_transformers_suite(smoke: bool, sizes_run: Sizes, batches: tuple[int, ...]) -> list[dict]:
     """transformers' own DeepseekV2ForCausalLM at V2-Lite's shape (its own random bf16 weights: the timing depends
     on shapes and on how many experts the rows select, not on the values), greedy `generate` with its default
     cache, on the GPU where there is one. Run it in a process of its own (JAX preallocates most of the GPU)."""
@@ -186,7 +234,7 @@ def v2_transformers_suite(smoke: bool, sizes_run: Sizes) -> list[dict]:
     with torch.device(device):
         model = DeepseekV2ForCausalLM._from_config(hf_config(V2_LITE, smoke), dtype=torch.bfloat16).eval()
     rows = []
-    for B in (1,) if smoke else V2_BATCHES:
+    for B in batches:
         prompt = torch.randint(3, model.config.vocab_size, (B, sizes_run.prompt_len), device=device)
 
         def generate(new_tokens: int) -> float:
@@ -206,7 +254,7 @@ def v2_transformers_suite(smoke: bool, sizes_run: Sizes) -> list[dict]:
     return rows
 
 
-def mtp_suite(smoke: bool, sizes_run: Sizes) -> list[dict]:
+def mtp_suite(smoke: bool, sizes_run: Sizes, batches: tuple[int, ...]) -> list[dict]:
     """V2-Lite drafting with one MTP layer (random; its embedding and lm_head are the target's shapes): k = 1, 2,
     3 (--smoke: 1) at synthetic acceptance 1.5 / 2.5 / 3.5 (those a k allows)."""
     cfg = config(V2_LITE, smoke)
@@ -215,7 +263,7 @@ def mtp_suite(smoke: bool, sizes_run: Sizes) -> list[dict]:
     hgraph, hstate = nnx.split(head)
     context = sizes_run.prompt_len + sizes_run.new_tokens // 2
     rows = []
-    for B in (1,) if smoke else V2_BATCHES:
+    for B in batches:
         plain = run_plain(target, B, sizes_run.prompt_len, sizes_run.new_tokens)[1]
         t_mtp = head_step_time(hgraph, hstate, head, B, context)
         for k in (1,) if smoke else (1, 2, 3):
@@ -230,27 +278,37 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--suites", default=",".join(SUITES))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, batch 1, to check the script on CPU")
+    parser.add_argument("--forms", default=",".join(FORMS), help="v3_step's and v2_e2e's forms: kernel, xla")
+    parser.add_argument("--batches", type=int, nargs="+", help="batch sizes (default: 1 8 32 128 for v3_step, 1 8 "
+                        "for the V2-Lite suites; --smoke: 1)")
+    parser.add_argument("--profile", action="store_true", help="trace the kernel form's steps (v3_step) or loops "
+                        "(v2_e2e) too")
     args = parser.parse_args(argv)
+    def batches(default: tuple[int, ...]) -> tuple[int, ...]:
+        return (1,) if args.smoke else tuple(args.batches or default)
+    forms = tuple(args.forms.split(","))
+    if not set(forms) <= set(FORMS):
+        raise SystemExit(f"--forms: {args.forms!r}; choose from {', '.join(FORMS)}")
     sizes = SMOKE_SIZES if args.smoke else dataclasses.replace(Sizes(), new_tokens=128)
     suites = args.suites.split(",")
     if "v2_transformers" in suites:   # PyTorch in a process of its own, before JAX takes the GPU's memory here
         if suites == ["v2_transformers"]:
-            rows = v2_transformers_suite(args.smoke, sizes)
+            rows = v2_transformers_suite(args.smoke, sizes, batches(V2_BATCHES))
             print_table(rows)
             write_json("bench_deepseek_v2_transformers", rows)
             return
-        subprocess.run([sys.executable, __file__, "--suites", "v2_transformers"] + ["--smoke"] * args.smoke,
-                       check=True)
+        subprocess.run([sys.executable, __file__, "--suites", "v2_transformers"] + ["--smoke"] * args.smoke
+                       + ["--batches", *map(str, batches(V2_BATCHES))], check=True)
         suites.remove("v2_transformers")
     bandwidth = copy_bandwidth(1 << 26) if args.smoke else copy_bandwidth()
     print(f"{jax.devices()[0].device_kind}: copy {bandwidth / 1e12:.2f} TB/s", flush=True)
     for suite in suites:
         if suite == "v3_step":
-            rows = v3_step_suite(bandwidth, args.smoke)
+            rows = v3_step_suite(bandwidth, args.smoke, batches(V3_BATCHES), forms, args.profile)
         elif suite == "v2_e2e":
-            rows = v2_e2e_suite(bandwidth, args.smoke, sizes)
+            rows = v2_e2e_suite(bandwidth, args.smoke, sizes, batches(V2_BATCHES), forms, args.profile)
         elif suite == "mtp":
-            rows = mtp_suite(args.smoke, sizes)
+            rows = mtp_suite(args.smoke, sizes, batches(V2_BATCHES))
         else:
             raise SystemExit(f"--suites: unknown suite {suite!r}; choose from {', '.join(SUITES)}")
         for r in rows:

@@ -14,6 +14,7 @@ import pytest
 from jax._src.pallas.triton import pallas_call_registration as registration
 
 from specjax.kernels.attention_triton import attention_triton
+from specjax.kernels.grouped_matmul_triton import grouped_matmul_triton
 from specjax.kernels.projection_triton import projection_triton
 from specjax.kernels.top_k_top_p import LARGE_BATCH_CONFIG
 from specjax.kernels.top_k_top_p_triton import SearchConfig, keep_mask_triton
@@ -105,4 +106,19 @@ def test_top_k_top_p_search_lowers(triton_modules, vocab, config):
     logits = jnp.zeros((5, vocab), jnp.float32)
     lower_for_cuda(lambda x, k, p: keep_mask_triton(x, k, p, config=config), logits, jnp.zeros((5, 1), jnp.int32),
                    jnp.ones((5, 1), jnp.float32))
+    assert_verified(triton_modules)
+
+
+@pytest.mark.parametrize("rows, shape", [
+    (8, (16, 256, 256)),   # decode: an FP8 expert stack, K split
+    (1, (1, 512, 256)),    # one dense FP8 matrix
+    (5000, (4, 256, 128)),  # prefill: no K split
+])
+def test_grouped_matmul_kernel_lowers(triton_modules, rows, shape):
+    groups, k, n = shape
+    x = jnp.zeros((rows, k), jnp.bfloat16)
+    w = jnp.zeros(shape, jnp.float8_e4m3fn)
+    scale = jnp.ones((groups, k // 128, n // 128), jnp.float32)
+    lower_for_cuda(lambda x, w, s, g: grouped_matmul_triton(x, w, g, scale=s, block=(128, 128)), x, w, scale,
+                   jnp.zeros((groups,), jnp.int32))
     assert_verified(triton_modules)

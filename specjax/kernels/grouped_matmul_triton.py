@@ -64,17 +64,27 @@ def default_k_splits(column_blocks: int, k_chunks: int) -> int:
 
 def tile_table(group_sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(group, first row, end row) of each of `max_tiles(rows, groups)` tiles: each group's rows cut into runs of
-    BLOCK_M; the tiles past the last one are empty (end == first)."""
+    BLOCK_M; the tiles past the last one are empty (end == first).
+    Broadcast compares and sums only: searchsorted's default method is a while loop (in a V3 decode step, 54
+    device-to-device copies of its loop state) and cumsum a sequential reduce_window on GPUs
+    (benchmarks/RESULTS.md, "V3's FP8 step with fewer launches")."""
     groups = group_sizes.shape[0]
     sizes = group_sizes.astype(jnp.int32)
     tiles_per_group = -(-sizes // BLOCK_M)
-    tile_end = jnp.cumsum(tiles_per_group)
-    row_end = jnp.cumsum(sizes)
+    tile_end = _inclusive_sums(tiles_per_group)
+    row_end = _inclusive_sums(sizes)
     tile = jnp.arange(max_tiles(rows, groups), dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(tile_end, tile, side="right"), groups - 1).astype(jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(tile_end, tile, side="right", method="compare_all"),
+                        groups - 1).astype(jnp.int32)
     first = row_end[group] - sizes[group] + (tile - tile_end[group] + tiles_per_group[group]) * BLOCK_M
     end = jnp.where(tile < tile_end[-1], jnp.minimum(row_end[group], first + BLOCK_M), first)
     return group, first, end
+
+
+def _inclusive_sums(values: jax.Array) -> jax.Array:
+    """cumsum of a short vector as one masked [n, n] row sum (one parallel reduction)."""
+    index = jnp.arange(values.shape[0])
+    return jnp.where(index[None, :] <= index[:, None], values[None, :], 0).sum(axis=1, dtype=values.dtype)
 
 
 def max_tiles(rows: int, groups: int) -> int:
