@@ -12,7 +12,7 @@ cache, over the copy bandwidth measured in the same process.
         [--forms kernel,xla] [--batches B ...] [--profile]
 
 (--forms: which forms v3_step and v2_e2e time, the grouped matmul kernel and XLA's with it off; --profile: v3_step
-also traces 5 steps of the kernel form at batch 1 and 8, v2_e2e its plain loops, and writes where the device time
+also traces 5 steps of the kernel form at each batch, v2_e2e its plain loops, and writes where the device time
 goes, per kernel kind.)
 
 (v2_transformers, transformers' own V2-Lite as the peer, runs in a child process first.)
@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.bench_engine import (SMOKE_SIZES, Sizes, acceptance_sweep, empty_cache, head_step_time, run_plain,
-                                     step_time, subject)
+from benchmarks.bench_engine import (SMOKE_SIZES, Sizes, acceptance_sweep, head_step_time, run_plain, step_time,
+                                     stepper, subject)
 from benchmarks.common import copy_bandwidth, print_table, write_json
 from benchmarks.device_trace import busy_ns, by_kernel, traced_kernels
 from specjax.engine.proposers.eagle import HeadProposer
@@ -137,12 +137,12 @@ def form_subjects(cfg: DeepseekConfig, target, forms: tuple[str, ...]) -> dict:
 def v3_step_suite(bandwidth: float, smoke: bool, batches: tuple[int, ...], forms: tuple[str, ...] = FORMS,
                   profile: bool = False) -> list[dict]:
     """Decode steps of rows of distinct random tokens (so that rows route apart), the grouped matmul kernel on and
-    off (`forms`); with `profile`, where the kernel form's batch 1 and 8 steps spend their device time."""
+    off (`forms`); with `profile`, where the kernel form's steps spend their device time."""
     cfg = config(V3_4_LAYERS, smoke)
     weights, target = stepped_subject(cfg)
     subjects = form_subjects(cfg, target, forms)
     if profile:
-        profiles = [step_profile(target, B) for B in ((1,) if smoke else (1, 8))]
+        profiles = [step_profile(target, B) for B in batches]
         print_table(profiles)
         write_json("bench_deepseek_v3_profile", profiles)
     rows = []
@@ -159,29 +159,22 @@ def v3_step_suite(bandwidth: float, smoke: bool, batches: tuple[int, ...], forms
 
 
 def step_profile(model, B: int, steps: int = 5) -> dict:
-    """Kernels per step, device busy time per step and the largest kernel kinds' time per step, from a profiler
-    trace of `steps` decode steps at CONTEXT (rows of distinct tokens)."""
-    holder = [empty_cache(model, B, CONTEXT + 17)]
-    tokens = jax.random.randint(jax.random.key(B), (B, 1), 0, model.cfg.vocab_size, jnp.int32)
-    start = jnp.full((B,), CONTEXT, jnp.int32)
-
-    def run():
-        for _ in range(steps):
-            logits, holder[0] = model.step(model.state, holder[0], tokens, start, None)
-        return logits
-    kernels = traced_kernels(run)
-    kinds = by_kernel(kernels, per=steps, top=12)
-    return dict(batch=B, kernels_per_step=len(kernels) / steps, busy_us_per_step=busy_ns(kernels) / steps / 1e3,
-                **{f"{row['kernel'][:48]} (n, us)": (row["count"], round(row["us"], 1)) for row in kinds})
+    """Where `steps` decode steps at CONTEXT (rows of distinct tokens) spend their device time, per step."""
+    kernels = traced_kernels(stepper(model, B, 1, CONTEXT, distinct_tokens=True, steps=steps))
+    return profile_row(kernels, steps, batch=B)
 
 
 def loop_profile(model, B: int, sizes_run: Sizes) -> dict:
-    """Kernels and device busy time per generated token of the plain loop (its prefill included), and the largest
-    kernel kinds', from a profiler trace of run_plain's four generate calls."""
+    """Where the plain loop (its prefill included) spends its device time, per generated token, from a profiler
+    trace of run_plain's four generate calls."""
     kernels = traced_kernels(lambda: run_plain(model, B, sizes_run.prompt_len, sizes_run.new_tokens))
-    per = 4 * sizes_run.new_tokens
+    return profile_row(kernels, 4 * sizes_run.new_tokens, batch=B)
+
+
+def profile_row(kernels, per: int, **key) -> dict:
+    """Kernels and device busy time per `per`, and the 12 largest kernel kinds' (count, us) per `per`."""
     kinds = by_kernel(kernels, per=per, top=12)
-    return dict(batch=B, kernels_per_token=len(kernels) / per, busy_us_per_token=busy_ns(kernels) / per / 1e3,
+    return dict(**key, kernels=len(kernels) / per, busy_us=busy_ns(kernels) / per / 1e3,
                 **{f"{row['kernel'][:48]} (n, us)": (row["count"], round(row["us"], 1)) for row in kinds})
 
 

@@ -283,16 +283,23 @@ def empty_cache(model: Subject, B, slots):
 def step_time(model: Subject, B, T, context, tree: TreeMask | None = None, distinct_tokens: bool = False):
     """Seconds of one pass of model.step over T tokens per row at `context` (a draft tree's, given its mask); the
     tokens all 1, or drawn at random (`distinct_tokens`: rows route to different MoE experts)."""
+    run = stepper(model, B, T, context, tree, distinct_tokens, STEPS_PER_TIMING)
+    return median_time(run, repeats=10) / STEPS_PER_TIMING
+
+
+def stepper(model: Subject, B, T, context, tree: TreeMask | None = None, distinct_tokens: bool = False,
+            steps: int = 1):
+    """A function that runs `steps` passes of model.step as step_time describes them and returns the last logits."""
     holder = [empty_cache(model, B, context + T + 16)]
     tokens = (jax.random.randint(jax.random.key(B * T), (B, T), 0, model.cfg.vocab_size, jnp.int32)
               if distinct_tokens else jnp.ones((B, T), jnp.int32))
     start = jnp.full((B,), context, jnp.int32)
 
     def run():
-        for _ in range(STEPS_PER_TIMING):
+        for _ in range(steps):
             logits, holder[0] = model.step(model.state, holder[0], tokens, start, tree)
         return logits
-    return median_time(run, repeats=10) / STEPS_PER_TIMING
+    return run
 
 
 def tree_suite(target: Subject, sizes: Sizes) -> list[dict]:
