@@ -31,13 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.bench_engine import (SMOKE_SIZES, Sizes, acceptance_sweep, head_step_time, run_plain, step_time,
-                                     stepper, subject)
+from benchmarks.bench_engine import (SMOKE_SIZES, Sizes, acceptance_sweep, head_step_time, plain_times,
+                                     run_plain, step_time, stepper, subject)
 from benchmarks.common import copy_bandwidth, print_table, write_json
 from benchmarks.device_trace import busy_ns, by_kernel, traced_kernels
 from specjax.engine.proposers.eagle import HeadProposer
 from specjax.kernels.policy import KernelPolicy
 from specjax.models.deepseek import FAMILY, DeepseekConfig
+from specjax.models.family import Frozen
 from specjax.models.moe import route
 from specjax.models.mtp import MtpConfig, MtpHead
 
@@ -248,19 +249,21 @@ def v2_transformers_suite(smoke: bool, sizes_run: Sizes, batches: tuple[int, ...
 
 
 def mtp_suite(smoke: bool, sizes_run: Sizes, batches: tuple[int, ...]) -> list[dict]:
-    """V2-Lite drafting with one MTP layer (random; its embedding and lm_head are the target's shapes): k = 1, 2,
-    3 (--smoke: 1) at synthetic acceptance 1.5 / 2.5 / 3.5 (those a k allows)."""
+    """V2-Lite drafting with one MTP layer (random, sharing the target's embedding and lm_head as the engine binds
+    them, so that its drafts are tokens as varied as a trained layer's and route the verify pass to as many
+    experts): k = 1, 2, 3 (--smoke: 1) at synthetic acceptance 1.5 / 2.5 / 3.5 (those a k allows)."""
     cfg = config(V2_LITE, smoke)
-    _, target = stepped_subject(cfg)
+    weights, target = stepped_subject(cfg)
     head = MtpHead(MtpConfig(target=cfg, num_mtp_layers=1), dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    head.embed, head.lm_head = Frozen(weights["embed"]), Frozen(weights["lm_head"])
     hgraph, hstate = nnx.split(head)
     context = sizes_run.prompt_len + sizes_run.new_tokens // 2
     rows = []
     for B in batches:
-        plain = run_plain(target, B, sizes_run.prompt_len, sizes_run.new_tokens)[1]
-        t_mtp = head_step_time(hgraph, hstate, head, B, context)
+        plain = plain_times(target, B, sizes_run)
+        t_mtp = head_step_time(hgraph, hstate, head, B, context, distinct_tokens=True)
         for k in (1,) if smoke else (1, 2, 3):
-            t_verify = step_time(target, B, k + 1, context)
+            t_verify = step_time(target, B, k + 1, context, distinct_tokens=True)
             rows += acceptance_sweep(target, HeadProposer(hgraph, head, k, probabilistic=False), hstate, B, plain,
                                      t_verify, t_mtp, sizes_run, lengths=[al for al in (1.5, 2.5, 3.5) if al <= k + 1],
                                      shape="v2_lite+mtp")

@@ -125,34 +125,53 @@ def generate_fn(graph, proposer, mesh=None, compiler_options=None, greedy=True):
     return jit_generate(graph, proposer, spec, mesh=mesh, compiler_options=compiler_options)
 
 
+def generate_inputs(B, prompt_len, new_tokens, k, rates=None, rows=None):
+    """(prompts, lengths, rows, cache_len, rates) of one wave: B random prompts, the buffers of new_tokens tokens
+    at draft length k; greedy rows of new_tokens each (no stop ids) when rows is None."""
+    prompts = jax.random.randint(jax.random.key(1), (B, prompt_len), 0, 500, jnp.int32)
+    lengths = jnp.full((B,), prompt_len, jnp.int32)
+    rows = greedy_rows(B, [new_tokens] * B, eos_token_ids=()) if rows is None else rows
+    cache_len = buffer_len(prompt_len, prompt_len, new_tokens, k, MAX_MODEL_LEN)
+    return prompts, lengths, rows, cache_len, None if rates is None else jnp.asarray(rates, jnp.float32)
+
+
 def run_generate(graph, state, proposer, draft_state, B, prompt_len, new_tokens, rates=None, gen=None, rows=None):
     """(compile+first-call seconds, steady seconds, steps) for one wave of B prompts. Pass `gen` (from
     generate_fn) to reuse one compilation across calls of the same shapes (rates are a traced argument).
     rows: the wave's RowParams (B rows of new_tokens each, no stop ids); greedy rows when None."""
     gen = gen or generate_fn(graph, proposer)
-    prompts = jax.random.randint(jax.random.key(1), (B, prompt_len), 0, 500, jnp.int32)
-    lengths = jnp.full((B,), prompt_len, jnp.int32)
-    rows = greedy_rows(B, [new_tokens] * B, eos_token_ids=()) if rows is None else rows
-    cache_len = buffer_len(prompt_len, prompt_len, new_tokens, proposer.k, MAX_MODEL_LEN)
-    rates = None if rates is None else jnp.asarray(rates, jnp.float32)
+    args = generate_inputs(B, prompt_len, new_tokens, proposer.k, rates, rows)
     start = time.perf_counter()
-    out = jax.block_until_ready(gen(state, draft_state, prompts, lengths, rows, cache_len, rates))
+    out = jax.block_until_ready(gen(state, draft_state, *args))
     first = time.perf_counter() - start
-    steady = median_time(lambda: gen(state, draft_state, prompts, lengths, rows, cache_len, rates),
-                         repeats=3, warmup=0)
-    assert int(np.min(out.lengths - lengths)) == new_tokens
+    steady = median_time(lambda: gen(state, draft_state, *args), repeats=3, warmup=0)
+    assert int(np.min(out.lengths - args[1])) == new_tokens
     return first, steady, int(out.steps)
+
+
+def first_token_time(gen, state, draft_state, B, prompt_len, new_tokens, k, rates=None) -> float:
+    """Seconds of the compiled loop `gen` (its buffers sized for new_tokens) run to one token per row: the prefill
+    and the first token, which a decode-only rate leaves out."""
+    prompts, lengths, _, cache_len, rates = generate_inputs(B, prompt_len, new_tokens, k, rates)
+    one = greedy_rows(B, [1] * B, eos_token_ids=())
+    return median_time(lambda: gen(state, draft_state, prompts, lengths, one, cache_len, rates), repeats=3)
 
 
 def run_plain(target: Subject, B, prompt_len, new_tokens):
     return run_generate(target.graph, target.state, NoProposer(), None, B, prompt_len, new_tokens, gen=target.plain)
 
 
+def plain_times(target: Subject, B, sizes: Sizes) -> tuple[float, float]:
+    """Plain decoding's seconds for sizes.new_tokens tokens per row and, by the same program, for the first."""
+    seconds = run_plain(target, B, sizes.prompt_len, sizes.new_tokens)[1]
+    return seconds, first_token_time(target.plain, target.state, None, B, sizes.prompt_len, sizes.new_tokens, 0)
+
+
 def e2e_suite(target: Subject, batches, sizes: Sizes):
     rows = []
     for B in batches:
         first, steady, steps = run_plain(target, B, sizes.prompt_len, sizes.new_tokens)
-        ttft = run_plain(target, B, sizes.prompt_len, 1)[1]
+        ttft = first_token_time(target.plain, target.state, None, B, sizes.prompt_len, sizes.new_tokens, 0)
         rows.append(dict(batch=B, new_tokens=sizes.new_tokens, tok_s=B * sizes.new_tokens / steady,
                          ms_per_step=1e3 * (steady - ttft) / max(steps, 1), ttft_ms=1e3 * ttft,
                          compile_s=first - steady))
@@ -174,7 +193,7 @@ def spec_suite(target: Subject, draft, batches, ks, sizes: Sizes):
     draft_subject = subject(draft.cfg, dgraph, dstate)
     context = sizes.prompt_len + sizes.new_tokens // 2
     for B in batches:
-        plain = run_plain(target, B, sizes.prompt_len, sizes.new_tokens)[1]
+        plain = plain_times(target, B, sizes)
         for k in ks:
             t_verify = step_time(target, B, k + 1, context)
             t_draft = step_time(draft_subject, B, 1, context)
@@ -221,7 +240,7 @@ def eagle_suite(target: Subject, batches, ks, sizes: Sizes):
     context = sizes.prompt_len + sizes.new_tokens // 2
     rows = []
     for B in batches:
-        plain = run_plain(target, B, sizes.prompt_len, sizes.new_tokens)[1]
+        plain = plain_times(target, B, sizes)
         t_target = step_time(target, B, 1, context)
         t_draft = head_step_time(hgraph, hstate, head, B, context)
         for k in ks:
@@ -235,25 +254,37 @@ def eagle_suite(target: Subject, batches, ks, sizes: Sizes):
 def acceptance_sweep(target: Subject, proposer, draft_state, B, plain, t_verify, t_draft, sizes: Sizes,
                      lengths=(1.5, 2.5, 3.5), **extra) -> list[dict]:
     """One compiled speculative loop run at synthetic acceptance `lengths`: tokens/s against plain decoding
-    (`plain` seconds) and against the ideal B x AL / (t_verify + k t_draft). Rows printed as they come; `extra`
-    is added to each."""
+    (`plain`: plain_times' seconds) and against the ideal B x AL / (t_verify + k t_draft). The ideal is a rate of
+    verify iterations, so it is compared with the decode rate: the tokens after the first over the seconds after
+    it (the same program run to one token, the prefill and the draft's first pass, subtracted). Rows printed as
+    they come; `extra` is added to each."""
     k, rows, new_tokens = proposer.k, [], sizes.new_tokens
     gen = generate_fn(target.graph, proposer)
+    plain_s, plain_first = plain
+    first_s = None
     for al in lengths:
+        rates = conditional_rates(al, k)
         _, t, steps = run_generate(target.graph, target.state, proposer, draft_state, B, sizes.prompt_len,
-                                   new_tokens, conditional_rates(al, k), gen)
+                                   new_tokens, rates, gen)
+        first_s = first_s or first_token_time(gen, target.state, draft_state, B, sizes.prompt_len, new_tokens, k,
+                                              rates)
         measured_al = (new_tokens - 1) / max(steps, 1)
         ideal = B * measured_al / (t_verify + k * t_draft)
+        decode = B * (new_tokens - 1) / (t - first_s)
         rows.append(dict(batch=B, k=k, al=al, measured_al=measured_al, tok_s=B * new_tokens / t,
-                         plain_tok_s=B * new_tokens / plain, speedup=plain / t, ideal_tok_s=ideal,
-                         frac_of_ideal=(B * new_tokens / t) / ideal, verify_ms=1e3 * t_verify,
-                         draft_ms=1e3 * t_draft, **extra))
+                         plain_tok_s=B * new_tokens / plain_s, speedup=plain_s / t, decode_tok_s=decode,
+                         decode_speedup=(plain_s - plain_first) / (t - first_s), ideal_tok_s=ideal,
+                         frac_of_ideal=decode / ideal, first_token_ms=1e3 * first_s,
+                         plain_first_token_ms=1e3 * plain_first, verify_ms=1e3 * t_verify, draft_ms=1e3 * t_draft,
+                         **extra))
         print({key: round(v, 3) if isinstance(v, float) else v for key, v in rows[-1].items()}, flush=True)
     return rows
 
 
-def head_step_time(hgraph, hstate, head, B, context):
-    """One EAGLE head draft step: a token and the head's own hidden state in, the next draft (target id) out."""
+def head_step_time(hgraph, hstate, head, B, context, distinct_tokens: bool = False):
+    """One EAGLE head draft step: a token and the head's own hidden state in, the next draft (target id) out; the
+    tokens all 1 and the states 0, or both drawn at random (`distinct_tokens`: rows route to different experts of
+    an MoE block)."""
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(hstate, cache, token, hidden, start):
         h = nnx.merge(hgraph, hstate)
@@ -261,8 +292,11 @@ def head_step_time(hgraph, hstate, head, B, context):
         return h.to_target_ids(jnp.argmax(h.logits(out[:, 0]), axis=-1)), feed, cache
 
     holder = [head.init_cache(B, context + 16)]
-    token, start = jnp.ones((B,), jnp.int32), jnp.full((B,), context, jnp.int32)
-    hidden = jnp.zeros((B, head.cfg.hidden_size), jnp.bfloat16)
+    token = (jax.random.randint(jax.random.key(B), (B,), 0, head.cfg.vocab_size, jnp.int32) if distinct_tokens
+             else jnp.ones((B,), jnp.int32))
+    start = jnp.full((B,), context, jnp.int32)
+    hidden = (jax.random.normal(jax.random.key(B + 1), (B, head.cfg.hidden_size), jnp.bfloat16) if distinct_tokens
+              else jnp.zeros((B, head.cfg.hidden_size), jnp.bfloat16))
 
     def run():
         for _ in range(STEPS_PER_TIMING):
