@@ -4,8 +4,8 @@ Llama-3.1-8B-shaped model with random bf16 weights; and the plain generate loop 
 compiled while body launches and copies (`loop`, the 8B or the default model's shape).
 
     PYTHONPATH=. python benchmarks/bench_engine.py [--suites step,e2e,spec,sampled,eagle,loop,tree]
-        [--impl auto|reference] [--xla-projections] [--loop-shape 8b|smollm2] [--trace] [--tree-nodes 8,16,32,64]
-        [--smoke]
+        [--impl auto|reference] [--xla-projections] [--loop-shape 8b|smollm2] [--loop-batches 1,16,64] [--trace]
+        [--tree-nodes 8,16,32,64] [--smoke]
 
 Writes $OUT/bench_engine_<suite>_<impl>.json and prints a table per suite. `--smoke` runs every suite (unless
 --suites says otherwise) on tiny shapes, to check the script on a CPU. `tree`: a draft tree's verify pass (N nodes
@@ -356,34 +356,38 @@ def tree_suite(target: Subject, sizes: Sizes) -> list[dict]:
     return rows
 
 
-def loop_suite(target: Subject, bandwidth, context, new_tokens, trace=False) -> list[dict]:
-    """Plain decoding in the generate loop, batch 1, a `context`-token prompt: time per loop iteration
-    ((t(new_tokens) - t(1)) / (new_tokens - 1), one compiled program) against the roofline floor, the
-    kernels the compiled while body launches per iteration (the CUDA graph's nodes, whose launch cost grows
+def loop_suite(target: Subject, bandwidth, context, new_tokens, batches=(1,), trace=False) -> list[dict]:
+    """Plain decoding in the generate loop, B rows of a `context`-token prompt for each B of `batches`: time per
+    loop iteration ((t(new_tokens) - t(1)) / (new_tokens - 1), one compiled program) against the roofline floor,
+    the kernels the compiled while body launches per iteration (the CUDA graph's nodes, whose launch cost grows
     with them) and the weight-shaped buffers it materialises (a layer's weight sliced out of a stacked array
-    and copied shows up as one). The program goes to $OUT. trace: the device's time per iteration by
-    kernel, from the loop compiled with one CUDA graph per body (the profiler sees no kernel inside a loop
-    that is one graph whole)."""
+    and copied shows up as one). The programs go to $OUT. trace: the device's time per iteration by kernel, from
+    the loop compiled with one CUDA graph per body (the profiler sees no kernel inside a loop that is one graph
+    whole)."""
+    return [_loop_row(target, bandwidth, context, new_tokens, B, trace) for B in batches]
+
+
+def _loop_row(target: Subject, bandwidth, context, new_tokens, B, trace) -> dict:
     cfg = target.cfg
-    floor = (weight_bytes(cfg) + context * kv_bytes_per_token(cfg)) / bandwidth
-    prompts, lengths = jnp.ones((1, context), jnp.int32), jnp.full((1,), context, jnp.int32)
+    floor = (weight_bytes(cfg) + B * context * kv_bytes_per_token(cfg)) / bandwidth
+    prompts, lengths = jnp.ones((B, context), jnp.int32), jnp.full((B,), context, jnp.int32)
     cache_len = buffer_len(context, context, new_tokens, 0, MAX_MODEL_LEN)
 
-    calls = {n: (target.state, None, prompts, lengths, greedy_rows(1, [n], eos_token_ids=()), cache_len)
+    calls = {n: (target.state, None, prompts, lengths, greedy_rows(B, [n] * B, eos_token_ids=()), cache_len)
              for n in (1, new_tokens)}
     gen = target.plain
     times = {n: median_time(lambda args=args: gen(*args), repeats=3, warmup=1) for n, args in calls.items()}
     per_iteration = (times[new_tokens] - times[1]) / (new_tokens - 1)
     hlo = gen.lower(*calls[new_tokens]).compile().as_text()
-    (out_dir() / "bench_engine_loop_hlo.txt").write_text(hlo)
-    row = dict(model=f"{cfg.num_layers}L-{cfg.hidden_size}", batch=1, context=context, new_tokens=new_tokens,
+    (out_dir() / f"bench_engine_loop_hlo_b{B}.txt").write_text(hlo)
+    row = dict(model=f"{cfg.num_layers}L-{cfg.hidden_size}", batch=B, context=context, new_tokens=new_tokens,
                ms_per_iteration=1e3 * per_iteration, floor_ms=1e3 * floor, roofline_frac=floor / per_iteration,
                kernels_per_iteration=kernels_per_iteration(hlo),
                weight_shaped=dict(materialised_weights(hlo, weight_shapes(cfg))))
     if trace:
         row.update(profile_loop(generate_fn(target.graph, NoProposer(), compiler_options={}), calls[new_tokens],
-                                new_tokens))
-    return [row]
+                                new_tokens, name=f"b{B}"))
+    return row
 
 
 def weight_shapes(cfg) -> set[str]:
@@ -411,14 +415,15 @@ def kernels_per_iteration(hlo: str) -> int:
     return len(re.findall(r" = \S+ (?:fusion|custom-call|copy)\(", text))
 
 
-def profile_loop(gen, args, iterations: int) -> dict:
+def profile_loop(gen, args, iterations: int, name: str) -> dict:
     """Where an iteration's device time goes: kernels, busy time, the costliest kinds (printed, and written to
-    $OUT with the trace itself)."""
-    kernels = traced_kernels(lambda: gen(*args), keep_trace=out_dir() / "bench_engine_loop_trace.xplane.pb")
+    $OUT with the trace itself, both named by `name`)."""
+    kernels = traced_kernels(lambda: gen(*args), keep_trace=out_dir() / f"bench_engine_loop_trace_{name}.xplane.pb")
     costliest = by_kernel(kernels, per=iterations)
-    print(f"profile: device time per iteration by kernel ({len(kernels) / iterations:.1f} kernels):", flush=True)
+    print(f"profile {name}: device time per iteration by kernel ({len(kernels) / iterations:.1f} kernels):",
+          flush=True)
     print_table(costliest)
-    write_json("bench_engine_loop_profile", costliest)
+    write_json(f"bench_engine_loop_profile_{name}", costliest)
     return dict(device_kernels_per_iteration=len(kernels) / iterations,
                 busy_us_per_iteration=busy_ns(kernels) / iterations / 1e3,
                 span_us_per_iteration=span_ns(kernels) / iterations / 1e3)
@@ -433,6 +438,7 @@ def parse_args(argv):
     parser.add_argument("--batches", help="default 1,8,32 (spec, sampled and eagle take those up to 8)")
     parser.add_argument("--ks", help="default 3,5")
     parser.add_argument("--loop-shape", default="8b", choices=LOOP_SHAPES, help="the loop suite's model shape")
+    parser.add_argument("--loop-batches", default="1", help="the loop suite's row counts (default 1)")
     parser.add_argument("--trace", action="store_true", help="profile the loop suite's loop")
     parser.add_argument("--tree-nodes", help="the tree suite's node counts (default 8,16,32,64)")
     parser.add_argument("--smoke", action="store_true", help="every suite on tiny shapes, to check the script on CPU")
@@ -440,6 +446,7 @@ def parse_args(argv):
     args.suites = (args.suites or (",".join(SUITES) if args.smoke else "step,e2e,spec")).split(",")
     args.batches = tuple(int(b) for b in (args.batches or ("1" if args.smoke else "1,8,32")).split(","))
     args.ks = tuple(int(k) for k in (args.ks or ("3" if args.smoke else "3,5")).split(","))
+    args.loop_batches = tuple(int(b) for b in args.loop_batches.split(","))
     return args
 
 
@@ -475,7 +482,8 @@ def main(argv=None) -> None:
     if "loop" in suites:
         loop_cfg, context = (target_cfg, sizes.prompt_len) if args.smoke else LOOP_SHAPES[args.loop_shape]
         loop_target = target if loop_cfg == target_cfg else random_subject(loop_cfg, kernels)
-        results["loop"] = loop_suite(loop_target, bandwidth, context, sizes.loop_new_tokens, args.trace)
+        results["loop"] = loop_suite(loop_target, bandwidth, context, sizes.loop_new_tokens, args.loop_batches,
+                                     args.trace)
     for name, rows in results.items():
         for r in rows:
             r.update(impl=impl, copy_TBps=bandwidth / 1e12)
