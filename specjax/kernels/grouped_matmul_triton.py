@@ -112,6 +112,7 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     kernel = functools.partial(
         _grouped_kernel, pairs=pairs, weight_dtype=w.dtype, has_scale=scale is not None, in_features=in_features,
         out_features=out_features, block_k=block_k, block_n=config.block_n, chunks_per_split=chunks_per_split,
+        whole_tiles=in_features % block_k == 0 and stored.shape[2] % config.block_n == 0,
         scale_block_n=block[1] if scale is not None else 1,
         precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT)
     partials = pl.pallas_call(
@@ -135,10 +136,11 @@ def _as_pairs(w: jax.Array) -> jax.Array:
 
 def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, *refs, pairs: bool, weight_dtype,
                     has_scale: bool, in_features: int, out_features: int, block_k: int, block_n: int,
-                    chunks_per_split: int, scale_block_n: int, precision: lax.Precision) -> None:
+                    chunks_per_split: int, whole_tiles: bool, scale_block_n: int, precision: lax.Precision) -> None:
     """One (tile, column block, K split): nothing for an empty tile; else the K loop over the split's chunks of
     dots (one per column phase: even and odd columns of a pair view), scaled per block, and one masked store per
-    phase into the split's partial output."""
+    phase into the split's partial output. Where the blocks tile the stack whole (`whole_tiles`, every DeepSeek
+    shape), weight and scale loads go unmasked: no per-element predicates in the loop that streams the bytes."""
     scale_ref = refs[0] if has_scale else None
     out_ref = refs[-1]
     tile, split = pl.program_id(0), pl.program_id(2)
@@ -158,14 +160,14 @@ def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, *refs, pairs: b
             k_ok = ks < in_features
             xs = plt.load(x_ref.at[row[:, None], ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             raw = plt.load(w_ref.at[group, ks[:, None], stored_col[None, :]],
-                           mask=k_ok[:, None] & stored_ok[None, :], other=0)
+                           **({} if whole_tiles else dict(mask=k_ok[:, None] & stored_ok[None, :], other=0)))
             tiles = _unpair(raw, weight_dtype) if pairs else (raw,)
             updated = []
             for total, weights, cols in zip(totals, tiles, out_cols):
                 part = plt.dot(xs, weights.astype(xs.dtype), precision=precision)
                 if has_scale:
-                    part = part * plt.load(scale_ref.at[group, chunk, cols // scale_block_n], mask=stored_ok,
-                                           other=0.0)[None, :]
+                    part = part * plt.load(scale_ref.at[group, chunk, cols // scale_block_n],
+                                           **({} if whole_tiles else dict(mask=stored_ok, other=0.0)))[None, :]
                 updated.append(total + part)
             return tuple(updated)
 
