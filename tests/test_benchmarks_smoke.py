@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 LANES = (("bench_default_model", "bench_eagle", "bench_transformers", "bench_projection", "bench_deepseek",
           "bench_admission"),
          ("bench_engine", "bench_tp", "bench_attention", "bench_prefill", "bench_sampling", "bench_stream",
-          "bench_grouped_matmul", "bench_latent_attention"))
+          "bench_grouped_matmul", "bench_latent_attention", "bench_sweep"))
 SCRIPTS = sorted(name for lane in LANES for name in lane)
 REAL_MODEL = ("bench_default_model", "bench_eagle")
 # Extra environment per script: bench_tp splits its model over two (simulated) CPU devices.
@@ -55,6 +55,7 @@ EXPECTED_ROWS = {
                        "bench_deepseek_mtp": ("al", [1.5]),
                        "bench_deepseek_v2_transformers": ("engine", ["transformers generate"])},
     "bench_stream": {"bench_stream": ("mode", ["generate", "generate_stream"])},
+    "bench_sweep": {"bench_sweep": ("engine", ["plain", "auto k<=2"])},
     "bench_grouped_matmul": {"bench_grouped_matmul": ("form", ["kernel", "xla gathered", "xla ragged_dot"] * 2)},
     "bench_latent_attention": {"bench_latent_attention": ("form", ["kernel", "xla"])},
     "bench_prefill": {"bench_prefill": ("shape", ["8b", "smollm2"]), "bench_prefill_model": ("tokens", [16, 32])},

@@ -1,0 +1,183 @@
+"""Issue 26's sweep on random weights: plain decoding, each fixed k and the adaptive policy ("auto"), through
+continuous admission and through waves, at several slot counts, the drafts accepted at synthetic rates (vLLM's
+synthetic_acceptance_length) so that the speed of each choice shows without a trained drafter.
+
+    PYTHONPATH=. python benchmarks/bench_sweep.py [--shape 8b|smollm2] [--drafter draft|eagle3] [--al 1.2,2.0,3.0]
+        [--num 512] [--prompt-len 64:256] [--max-tokens 32:512] [--slots 8,32,128,256] [--k 3]
+        [--modes plain,fixed,auto] [--runners admission,waves] [--smoke]
+
+Target: the Llama-3.1-8B shape or the default model's (SmolLM2-135M), bf16. Drafter: the Llama-3.2-1B shape
+(8b only) or an EAGLE-3-shaped head for the target (one layer, three captured layers, a 32k draft vocabulary).
+Modes: "plain", "fixed" (every k from 1 to --k), "auto" (k chosen each iteration between 0 and --k from step
+times the engine measures on its first call). Each engine runs the requests once untimed (compilation,
+calibration), then once timed. Prints a table (tokens/s, against plain and against the best fixed k, slot
+occupancy, iterations at each k) and writes $OUT/bench_sweep.json after each engine. Synthetic acceptance takes
+drafts whether or not the target agrees, so the tokens are not plain decoding's: this measures speed only.
+`--smoke`: tiny shapes, 6 requests, 2 slots, a few tokens (checks the script).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from benchmarks.common import (LLAMA31_8B, LLAMA32_1B, SMOKE_DRAFT, SMOKE_TARGET, SMOLLM2_135M, print_table,
+                               random_model, write_json)
+from specjax.config import EngineConfig
+from specjax.config.speculation_policy import PROBE_EVERY
+from specjax.engine.proposers.base import NoProposer
+from specjax.engine.proposers.draft_model import DraftModelProposer
+from specjax.engine.proposers.eagle import HeadProposer
+from specjax.engine.runner import Request, WaveRunner
+from specjax.models.eagle import default_aux_layer_ids
+from specjax.sampling_params import SamplingParams
+from specjax.training.trainer import new_head
+
+SHAPES = {"8b": (LLAMA31_8B, LLAMA32_1B), "smollm2": (SMOLLM2_135M, None), "smoke": (SMOKE_TARGET, SMOKE_DRAFT)}
+DRAFT_VOCAB = 32000
+MAX_MODEL_LEN = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+    """What a speculative engine drafts with: a name for the step-time store, the speculative method, and how to
+    make its proposer (k, adaptive) with the state it reads."""
+    name: str
+    method: str
+    make: object   # (k, adaptive) -> (proposer, draft state)
+
+
+def drafter(kind: str, target_cfg, target_state, draft_cfg, smoke: bool) -> Drafter:
+    if kind == "draft":
+        if draft_cfg is None:
+            raise SystemExit("--drafter draft: this shape has no smaller draft shape; use --drafter eagle3")
+        draft = random_model(draft_cfg, seed=1)
+        graph, state = nnx.split(draft)
+        return Drafter("1b-draft", "draft_model", lambda k, adaptive: (
+            DraftModelProposer(graph, k, probabilistic=False, cache_bytes=draft.cache_bytes), state))
+    vocab = min(DRAFT_VOCAB, target_cfg.vocab_size // 2) if smoke else DRAFT_VOCAB
+    head = new_head(target_cfg, target_state, np.arange(vocab), default_aux_layer_ids(target_cfg.num_layers))
+    graph, state = nnx.split(head)
+    features = target_cfg.hidden_size * max(1, len(head.capture_layers))
+    return Drafter("eagle3-head", "eagle3", lambda k, adaptive: (
+        HeadProposer(graph, head, k, probabilistic=False, feature_size=features,
+                     catch_up_window=PROBE_EVERY if adaptive else 0), state))
+
+
+def engines(modes: list[str], k_max: int, al: float, method: str) -> list[tuple[str, dict | None]]:
+    """(name, speculative_config) of each engine the modes ask for."""
+    def spec(k: int, policy: str) -> dict:
+        return {"method": method, "model": "random", "num_speculative_tokens": k, "speculation_policy": policy,
+                "rejection_sample_method": "synthetic", "synthetic_acceptance_length": min(al, k + 1)}
+    out = [("plain", None)] if "plain" in modes else []
+    if "fixed" in modes:
+        out += [(f"k={k}", spec(k, "fixed")) for k in range(1, k_max + 1)]
+    if "auto" in modes:
+        out.append((f"auto k<={k_max}", spec(k_max, "auto")))
+    return out
+
+
+def requests(n: int, prompt_len: tuple[int, int], max_tokens: tuple[int, int], vocab: int) -> list[Request]:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(prompt_len[0], prompt_len[1] + 1, size=n)
+    budgets = rng.integers(max_tokens[0], max_tokens[1] + 1, size=n)
+    return [Request(rng.integers(3, vocab, size=int(p)).tolist(),
+                    SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=True), seed_index=i)
+            for i, (p, m) in enumerate(zip(lengths, budgets))]
+
+
+def run(runner: WaveRunner, reqs: list[Request], admission: bool) -> float:
+    """Seconds to run every request through `runner` once (continuous admission, or waves of max_num_seqs)."""
+    start = time.perf_counter()
+    if admission:
+        for indices in runner.queues(reqs):
+            runner.run_queue([reqs[i] for i in indices])
+    else:
+        for wave in runner.waves(reqs):
+            runner.run_wave(wave)
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="8b", choices=("8b", "smollm2"))
+    parser.add_argument("--drafter", default="eagle3", choices=("draft", "eagle3"))
+    parser.add_argument("--al", default="1.2,2.0,3.0", help="synthetic acceptance lengths")
+    parser.add_argument("--num", type=int, default=512)
+    parser.add_argument("--prompt-len", default="64:256", help="LOW:HIGH, each request's drawn uniformly")
+    parser.add_argument("--max-tokens", default="32:512", help="LOW:HIGH, each request's drawn uniformly")
+    parser.add_argument("--slots", default="8,32,128,256")
+    parser.add_argument("--k", type=int, default=3, help="the largest k (fixed runs each k from 1)")
+    parser.add_argument("--modes", default="plain,fixed,auto")
+    parser.add_argument("--runners", default="admission,waves")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, 6 requests, 2 slots, a few tokens")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.shape, args.al, args.num, args.prompt_len, args.max_tokens = "smoke", "2.0", 6, "4:8", "2:6"
+        args.slots, args.k, args.modes, args.runners = "2", 2, "plain,auto", "admission"
+    target_cfg, draft_cfg = SHAPES[args.shape]
+    target = random_model(target_cfg)
+    graph, state = nnx.split(target)
+    draft = drafter(args.drafter, target_cfg, state, draft_cfg, args.smoke)
+    reqs = requests(args.num, tuple(int(x) for x in args.prompt_len.split(":")),
+                    tuple(int(x) for x in args.max_tokens.split(":")), target_cfg.vocab_size)
+    new_tokens = sum(r.params.max_tokens for r in reqs)
+    print(f"{jax.devices()[0].device_kind}: {args.shape} + {draft.name}, {len(reqs)} requests, {new_tokens} "
+          "tokens", flush=True)
+    rows = []
+    for al in (float(a) for a in args.al.split(",")):
+        for slots in (int(s) for s in args.slots.split(",")):
+            best_fixed = {}
+            for name, spec in engines(args.modes.split(","), args.k, al, draft.method):
+                adaptive = spec is not None and spec["speculation_policy"] == "auto"
+                proposer, draft_state = (NoProposer(), None) if spec is None else draft.make(spec[
+                    "num_speculative_tokens"], adaptive)
+                config = EngineConfig(model="random", tokenizer="random", max_num_seqs=slots,
+                                      max_model_len=MAX_MODEL_LEN, speculative_config=spec).resolve(target_cfg)
+                runner = WaveRunner(graph, state, proposer, draft_state, config, eos_token_ids=(),
+                                    vocab_size=target_cfg.vocab_size, cost_key=f"{args.shape}+{draft.name}")
+                for mode in args.runners.split(","):
+                    run(runner, reqs, mode == "admission")   # compiles; auto measures its step times
+                    iterations_before = _iterations_per_k(runner, args.k)
+                    seconds = run(runner, reqs, mode == "admission")
+                    tok_s = new_tokens / seconds
+                    if spec is not None and not adaptive:
+                        best_fixed[mode] = max(best_fixed.get(mode, 0.0), tok_s)
+                    occupancy = runner.queue_traces[-1].occupancy if mode == "admission" else None
+                    rows.append(dict(
+                        shape=args.shape, drafter=draft.name, al=al, slots=slots, engine=name, runner=mode,
+                        tok_s=round(tok_s, 1), seconds=round(seconds, 3),
+                        over_best_fixed=round(tok_s / best_fixed[mode], 3) if adaptive and mode in best_fixed
+                        else None,
+                        occupancy=occupancy and round(sum(occupancy) / slots, 3),
+                        iterations_per_k=adaptive and [a - b for a, b in zip(_iterations_per_k(runner, args.k),
+                                                                               iterations_before)] or None))
+                    print(rows[-1], flush=True)
+                    write_json("bench_sweep", rows)
+    _add_over_plain(rows)
+    print_table(rows)
+    write_json("bench_sweep", rows)
+
+
+def _iterations_per_k(runner: WaveRunner, k_max: int) -> list[int]:
+    """Loop iterations at each k over every adaptive call the runner has made."""
+    counts = np.zeros(k_max + 1, np.int64)
+    for trace in runner.traces:
+        counts += np.bincount(np.asarray(trace.k_per_step, np.int64), minlength=k_max + 1)[:k_max + 1]
+    return counts.tolist()
+
+
+def _add_over_plain(rows: list[dict]) -> None:
+    """Each row's tokens/s over plain decoding's at the same acceptance length, slots and runner."""
+    plain = {(r["al"], r["slots"], r["runner"]): r["tok_s"] for r in rows if r["engine"] == "plain"}
+    for r in rows:
+        base = plain.get((r["al"], r["slots"], r["runner"]))
+        r["over_plain"] = base and round(r["tok_s"] / base, 3)
+
+
+if __name__ == "__main__":
+    main()
