@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from benchmarks.common import interpret_kernels, out_dir, relative_error
+from benchmarks.common import copy_bandwidths, interpret_kernels, out_dir, relative_error
 from benchmarks.device_trace import median_duration_us, traced_kernels
 from specjax.kernels.attention import attention, choose_attention
 from specjax.kernels.attention_reference import attention_reference
@@ -97,38 +97,10 @@ def median_seconds(run, repeats: int) -> float:
 
 
 def copy_bandwidth(scale: Scale) -> dict:
-    """Device-to-device bandwidth of a large elementwise pass and a plain copy (read + write)."""
-    x = jax.random.normal(jax.random.key(0), (scale.copy_elements,), jnp.float32)
-    results = {}
-    for name, fn in (("x+1", jax.jit(lambda a: a + 1)), ("copy", jax.jit(jnp.copy))):
-        seconds = median_seconds(lambda: fn(x).block_until_ready(), scale.repeats)
-        results[name] = 2 * x.nbytes / seconds / 1e9
-    results.update(_torch_copy_bandwidth(scale))
+    """Device copy bandwidth in GB/s (read + write) by each way common.copy_bandwidths measures, and the fastest."""
+    results = {name: rate / 1e9 for name, rate in copy_bandwidths(4 * scale.copy_elements).items()}
     results["ceiling_gbs"] = max(results.values())
     return results
-
-
-def _torch_copy_bandwidth(scale: Scale) -> dict:
-    """A plain cudaMemcpy-style copy through PyTorch (CUDA events), where PyTorch is there."""
-    try:
-        import torch
-    except ImportError:
-        return {}
-    if not torch.cuda.is_available():
-        return {}
-    src = torch.randn(scale.copy_elements, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for index in range(scale.repeats + 2):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        if index >= 2:
-            times.append(begin.elapsed_time(end) / 1e3)
-    del src, dst
-    return {"torch_copy": 2 * 4 * scale.copy_elements / statistics.median(times) / 1e9}
 
 
 def random_cache(key, layers, batch, slots, starts, tokens, dtype, poison=True):

@@ -93,10 +93,70 @@ def relative_error(out, expected) -> float:
 
 
 def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
-    """Device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    """The device's copy ceiling in bytes/s (bytes read plus bytes written): the fastest of copy_bandwidths'."""
+    return max(copy_bandwidths(num_bytes).values())
+
+
+def copy_bandwidths(num_bytes: int = 2 << 30) -> dict[str, float]:
+    """Copy bandwidth in bytes/s of `num_bytes` by XLA's elementwise pass and, where PyTorch sees a GPU, by its
+    copy_ (a plain device copy; XLA's pass has read about two thirds of PyTorch's rate on the H200). Each is the
+    fastest of its runs after WARM_SECONDS of them: an idle GPU clocks up over its first tenths of a second (a
+    median of a few runs at process start read 2.35-3.52 TB/s in one session), and other work only adds time."""
+    return {"xla": _xla_copy_bandwidth(num_bytes), **_torch_copy_bandwidth(num_bytes)}
+
+
+WARM_SECONDS = 0.5
+
+
+def fastest_time(fn: Callable[[], object], repeats: int = 20) -> float:
+    """Fastest seconds of fn() (its result blocked on) over `repeats` runs, after WARM_SECONDS of runs."""
+    begin = time.perf_counter()
+    while time.perf_counter() - begin < WARM_SECONDS:
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _xla_copy_bandwidth(num_bytes: int) -> float:
     x = jnp.ones((num_bytes // 4,), jnp.float32)
     copy = jax.jit(lambda a: a * 1.0001)
-    return 2 * x.nbytes / median_time(lambda: copy(x))
+    return 2 * x.nbytes / fastest_time(lambda: copy(x))
+
+
+def _torch_copy_bandwidth(num_bytes: int) -> dict[str, float]:
+    """{"torch_copy": bytes/s} of PyTorch's copy_ timed by CUDA events, on GPUs where PyTorch is there; its
+    buffers handed back to the device afterwards."""
+    if not on_gpu():
+        return {}
+    try:
+        import torch
+    except ImportError:
+        return {}
+    rate = _torch_copy_rate(torch, num_bytes)
+    torch.cuda.empty_cache()
+    return {"torch_copy": rate}
+
+
+def _torch_copy_rate(torch, num_bytes: int) -> float:
+    src = torch.ones(num_bytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+
+    def seconds() -> float:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
+
+    start = time.perf_counter()
+    while time.perf_counter() - start < WARM_SECONDS:
+        seconds()
+    return 2 * src.nbytes / min(seconds() for _ in range(20))
 
 
 def matmul_flops(n: int = 8192) -> float:
