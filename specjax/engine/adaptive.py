@@ -6,6 +6,8 @@ its k; k = 0 is a plain decode step. "auto" scores a tier k
 by the tokens a row expects from it, 1 + sum_{i<k} prod_{j<=i} a_j with a_j the running conditional acceptance
 at draft position j, over the tier's step time, and takes the best. Dead rows cost as much as live ones in a
 compiled batch, so the step times are per compiled shape and the live count enters through the statistics.
+The choice is one k for every row: a tier's verify pass is one static width for the whole batch, so a row that
+drafted fewer tokens than its tier would save no work, only lose the chance of its drafts being accepted.
 A tier not run stops updating its positions' rates, so after `probe_gap` plain steps in a row the loop runs
 the largest tier for a segment to look again. The gap starts at PROBE_EVERY and doubles after each probe up to
 PROBE_MAX, and a speculative tier chosen on its merits sets it back: where speculation keeps losing, its probes
