@@ -261,13 +261,11 @@ def acceptance_sweep(target: Subject, proposer, draft_state, B, plain, t_verify,
     k, rows, new_tokens = proposer.k, [], sizes.new_tokens
     gen = generate_fn(target.graph, proposer)
     plain_s, plain_first = plain
-    first_s = None
+    first_s = first_token_time(gen, target.state, draft_state, B, sizes.prompt_len, new_tokens, k,
+                               conditional_rates(lengths[0], k))   # compiles the loop too
     for al in lengths:
-        rates = conditional_rates(al, k)
         _, t, steps = run_generate(target.graph, target.state, proposer, draft_state, B, sizes.prompt_len,
-                                   new_tokens, rates, gen)
-        first_s = first_s or first_token_time(gen, target.state, draft_state, B, sizes.prompt_len, new_tokens, k,
-                                              rates)
+                                   new_tokens, conditional_rates(al, k), gen)
         measured_al = (new_tokens - 1) / max(steps, 1)
         ideal = B * measured_al / (t_verify + k * t_draft)
         decode = B * (new_tokens - 1) / (t - first_s)
