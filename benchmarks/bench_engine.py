@@ -5,7 +5,7 @@ compiled while body launches and copies (`loop`, the 8B or the default model's s
 
     PYTHONPATH=. python benchmarks/bench_engine.py [--suites step,e2e,spec,sampled,eagle,loop,tree]
         [--impl auto|reference] [--xla-projections] [--loop-shape 8b|smollm2] [--loop-batches 1,16,64] [--trace]
-        [--tree-nodes 8,16,32,64] [--smoke]
+        [--tree-shape 8b|smollm2] [--tree-nodes 8,16,32,64] [--smoke]
 
 Writes $OUT/bench_engine_<suite>_<impl>.json and prints a table per suite. `--smoke` runs every suite (unless
 --suites says otherwise) on tiny shapes, to check the script on a CPU. `tree`: a draft tree's verify pass (N nodes
@@ -51,8 +51,8 @@ MAX_MODEL_LEN = 8192
 # Step timings dispatch this many steps back to back and block once: the host runs ahead of the device, so
 # a step's figure is its device time (what the ideal of a loop that hid all host work would pay).
 STEPS_PER_TIMING = 8
-# The loop suite's model shapes and prompt lengths.
-LOOP_SHAPES = {"8b": (LLAMA31_8B, 1024), "smollm2": (SMOLLM2_135M, 128)}
+# The loop and tree suites' model shapes, with the prompt length (loop) and context (tree) each runs at.
+SHAPES = {"8b": (LLAMA31_8B, 1024), "smollm2": (SMOLLM2_135M, 128)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,10 +334,10 @@ def stepper(model: Subject, B, T, context, tree: TreeMask | None = None, distinc
     return run
 
 
-def tree_suite(target: Subject, sizes: Sizes) -> list[dict]:
+def tree_suite(target: Subject, sizes: Sizes, context: int) -> list[dict]:
     """A tree's verify pass (each node's children: up to 4, breadth first) against a chain pass of as many
-    tokens and a decode step, at the step suite's context."""
-    rows, context = [], sizes.context
+    tokens and a decode step, at `context`."""
+    rows = []
     for B in sizes.step_batches:
         decode = step_time(target, B, 1, context)
         for nodes in sizes.tree_nodes:
@@ -435,7 +435,8 @@ def parse_args(argv):
                         help="the projection kernel off (XLA's projections), the other kernels as --impl says")
     parser.add_argument("--batches", help="default 1,8,32 (spec, sampled and eagle take those up to 8)")
     parser.add_argument("--ks", help="default 3,5")
-    parser.add_argument("--loop-shape", default="8b", choices=LOOP_SHAPES, help="the loop suite's model shape")
+    parser.add_argument("--loop-shape", default="8b", choices=SHAPES, help="the loop suite's model shape")
+    parser.add_argument("--tree-shape", default="8b", choices=SHAPES, help="the tree suite's model shape")
     parser.add_argument("--loop-batches", default="1", help="the loop suite's row counts (default 1)")
     parser.add_argument("--trace", action="store_true", help="profile the loop suite's loop")
     parser.add_argument("--tree-nodes", help="the tree suite's node counts (default 8,16,32,64)")
@@ -463,6 +464,9 @@ def main(argv=None) -> None:
     bandwidth, flops = (copy_bandwidth(1 << 26), matmul_flops(512)) if args.smoke else (copy_bandwidth(), matmul_flops())
     print(f"device {jax.devices()[0]}: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
     target = random_subject(target_cfg, kernels)
+
+    def shaped(cfg: LlamaConfig) -> Subject:
+        return target if cfg == target_cfg else random_subject(cfg, kernels)
     draft = random_model(draft_cfg, kernels, seed=1) if {"spec", "sampled"} & set(suites) else None
     results = {}
     if "step" in suites:
@@ -476,11 +480,11 @@ def main(argv=None) -> None:
     if "eagle" in suites:
         results["eagle"] = eagle_suite(target, small_batches, ks, sizes)
     if "tree" in suites:
-        results["tree"] = tree_suite(target, sizes)
+        tree_cfg, context = (target_cfg, sizes.context) if args.smoke else SHAPES[args.tree_shape]
+        results["tree"] = tree_suite(shaped(tree_cfg), sizes, context)
     if "loop" in suites:
-        loop_cfg, context = (target_cfg, sizes.prompt_len) if args.smoke else LOOP_SHAPES[args.loop_shape]
-        loop_target = target if loop_cfg == target_cfg else random_subject(loop_cfg, kernels)
-        results["loop"] = loop_suite(loop_target, bandwidth, context, sizes.loop_new_tokens, args.loop_batches,
+        loop_cfg, context = (target_cfg, sizes.prompt_len) if args.smoke else SHAPES[args.loop_shape]
+        results["loop"] = loop_suite(shaped(loop_cfg), bandwidth, context, sizes.loop_new_tokens, args.loop_batches,
                                      args.trace)
     for name, rows in results.items():
         for r in rows:
