@@ -12,7 +12,8 @@ what it measured). `--smoke`: two questions, a few tokens, batch 1 (checks
 the script). `--policy auto` runs the speculative engines under adaptive speculation (k chosen each step
 between 0 and --k; the step times are measured in the untimed warm-up run), and reports how often each k ran.
 `--prompts ../shared/data/chat_prompts.jsonl` takes general chat prompts instead of GSM8K's questions.
-`--chains` adds EAGLE-3 chains of those k, `--trees NODES:BRANCHING:DEPTH,...` EAGLE-3 draft trees of those shapes.
+`--chains` adds EAGLE-3 (and MTP) chains of those k, `--trees NODES:BRANCHING:DEPTH,...` EAGLE-3 (and MTP) draft
+trees of those shapes.
 """
 from __future__ import annotations
 
@@ -55,9 +56,12 @@ def main(argv=None) -> None:
                                        "prompt_lookup_min": 2}),
                 *[(f"eagle3 k={k}", {"method": "eagle3", "model": args.head, "num_speculative_tokens": k})
                   for k in [args.k] + [int(k) for k in args.chains.split(",") if k]],
-                *[(f"eagle3 tree {shape}", _tree_spec(args.head, shape)) for shape in args.trees.split(",") if shape],
+                *[(f"eagle3 tree {shape}", _tree_spec("eagle3", args.head, shape)) for shape in args.trees.split(",")
+                  if shape],
                 *[(f"mtp k={k}", {"method": "mtp", "model": args.mtp, "num_speculative_tokens": k})
-                  for k in ([args.k] + [int(k) for k in args.chains.split(",") if k] if args.mtp else [])]]
+                  for k in ([args.k] + [int(k) for k in args.chains.split(",") if k] if args.mtp else [])],
+                *[(f"mtp tree {shape}", _tree_spec("mtp", args.mtp, shape)) for shape in args.trees.split(",")
+                  if shape and args.mtp]]
     methods = args.methods.split(",")
     specs = [("plain", None)] + [(name if policy == "fixed" else f"{name} {policy}",
                                   {**spec, "speculation_policy": policy})
@@ -81,9 +85,9 @@ def main(argv=None) -> None:
     print_table(rows)
 
 
-def _tree_spec(head: str, shape: str) -> dict:
+def _tree_spec(method: str, head: str, shape: str) -> dict:
     nodes, branching, depth = (int(x) for x in shape.split(":"))
-    return {"method": "eagle3", "model": head, "num_speculative_tokens": depth, "tree_nodes": nodes,
+    return {"method": method, "model": head, "num_speculative_tokens": depth, "tree_nodes": nodes,
             "tree_branching": branching}
 
 

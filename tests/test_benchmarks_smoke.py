@@ -40,7 +40,8 @@ EXPECTED_ROWS = {
         "specjax plain", "specjax ngram k=4", "specjax draft_model k=3 (6-layer draft)",
         "specjax eagle3 k=3 (shipped head)", "(specjax plain == transformers greedy)"])},
     "bench_eagle": {"bench_eagle": ("engine", ["specjax plain", "specjax ngram k=3", "specjax eagle3 k=3",
-                                               "specjax eagle3 tree 4:2:2", "specjax mtp k=3"])},
+                                               "specjax eagle3 tree 4:2:2", "specjax mtp k=3",
+                                               "specjax mtp tree 4:2:2"])},
     "bench_admission": {"bench_admission": ("mode", ["waves", "admission"])},
     "bench_transformers": {"bench_transformers": ("variant", [
         "eager generate", "assisted (1B-shaped draft)", "eager generate", "static cache (auto-compiled)",
