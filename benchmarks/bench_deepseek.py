@@ -9,9 +9,10 @@ the batch selects (counted by routing random hidden states through each MoE laye
 cache, over the copy bandwidth measured in the same process.
 
     PYTHONPATH=. python benchmarks/bench_deepseek.py [--suites v3_step,v2_e2e,mtp,v2_transformers] [--smoke]
-        [--forms kernel,xla] [--batches B ...] [--profile]
+        [--forms kernel,xla,fp8_rows] [--batches B ...] [--profile]
 
-(--forms: which forms v3_step and v2_e2e time, the grouped matmul kernel and XLA's with it off; --profile: v3_step
+(--forms: which forms v3_step and v2_e2e time: the grouped matmul kernel, XLA's with it off, the kernel on FP8 rows
+(fp8_rows; default kernel,xla); --profile: v3_step
 also traces 5 steps of the kernel form at each batch, v2_e2e its plain loops, and writes where the device time
 goes, per kernel kind.)
 
@@ -43,7 +44,8 @@ from specjax.models.moe import route
 from specjax.models.mtp import MtpConfig, MtpHead
 
 SUITES = ("v3_step", "v2_e2e", "mtp", "v2_transformers")
-FORMS = ("kernel", "xla")
+FORMS = ("kernel", "xla", "fp8_rows")
+DEFAULT_FORMS = ("kernel", "xla")
 YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
 # DeepSeek-V3's config.json, 4 layers instead of 61, the first one dense (V3 has 3).
 V3_4_LAYERS = {
@@ -126,16 +128,17 @@ def stepped_subject(cfg: DeepseekConfig):
 
 def form_subjects(cfg: DeepseekConfig, target, forms: tuple[str, ...]) -> dict:
     """The target under each of `forms`: "kernel" as built, "xla" the same weights with the experts and the
-    few-row projections compiled by XLA (the grouped matmul kernel off)."""
-    def without_grouped_kernel():
-        policy = KernelPolicy(grouped_matmul_kernel=False)
+    few-row projections compiled by XLA (the grouped matmul kernel off), "fp8_rows" the kernel multiplying FP8
+    stacks by rows quantized to FP8 (KernelPolicy.fp8_activations; the same as "kernel" for a bf16 model)."""
+    def under(policy: KernelPolicy):
         graph = nnx.graphdef(nnx.eval_shape(lambda: FAMILY.random(cfg, dtype=jnp.bfloat16, kernels=policy)))
         return subject(cfg, graph, target.state)
-    makers = {"kernel": lambda: target, "xla": without_grouped_kernel}
+    makers = {"kernel": lambda: target, "xla": lambda: under(KernelPolicy(grouped_matmul_kernel=False)),
+              "fp8_rows": lambda: under(KernelPolicy(fp8_activations=True))}
     return {form: makers[form]() for form in forms}
 
 
-def v3_step_suite(bandwidth: float, smoke: bool, batches: tuple[int, ...], forms: tuple[str, ...] = FORMS,
+def v3_step_suite(bandwidth: float, smoke: bool, batches: tuple[int, ...], forms: tuple[str, ...] = DEFAULT_FORMS,
                   profile: bool = False) -> list[dict]:
     """Decode steps of rows of distinct random tokens (so that rows route apart), the grouped matmul kernel on and
     off (`forms`); with `profile`, where the kernel form's steps spend their device time."""
@@ -180,7 +183,7 @@ def profile_row(kernels, per: int, **key) -> dict:
 
 
 def v2_e2e_suite(bandwidth: float, smoke: bool, sizes_run: Sizes, batches: tuple[int, ...],
-                 forms: tuple[str, ...] = FORMS, profile: bool = False) -> list[dict]:
+                 forms: tuple[str, ...] = DEFAULT_FORMS, profile: bool = False) -> list[dict]:
     cfg = config(V2_LITE, smoke)
     weights, target = stepped_subject(cfg)
     subjects = form_subjects(cfg, target, forms)
@@ -274,7 +277,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--suites", default=",".join(SUITES))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, batch 1, to check the script on CPU")
-    parser.add_argument("--forms", default=",".join(FORMS), help="v3_step's and v2_e2e's forms: kernel, xla")
+    parser.add_argument("--forms", default=",".join(DEFAULT_FORMS),
+                        help="v3_step's and v2_e2e's forms: kernel, xla, fp8_rows")
     parser.add_argument("--batches", type=int, nargs="+", help="batch sizes (default: 1 8 32 128 for v3_step, 1 8 "
                         "for the V2-Lite suites; --smoke: 1)")
     parser.add_argument("--profile", action="store_true", help="trace the kernel form's steps (v3_step) or loops "

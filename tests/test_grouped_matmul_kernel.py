@@ -100,14 +100,16 @@ def test_the_tile_table_covers_each_row_once_within_its_group(sizes, spare_rows)
     assert (covered[:sum(sizes)] == 1).all() and not covered[sum(sizes):].any()
 
 
-@pytest.mark.parametrize("block", [(32, 16), None])
-def test_a_rows_result_does_not_depend_on_the_other_rows(block):
+@pytest.mark.parametrize("block, kernels", [((32, 16), INTERPRET), (None, INTERPRET),
+                                            ((32, 16), KernelPolicy(interpret=True, fp8_activations=True))])
+def test_a_rows_result_does_not_depend_on_the_other_rows(block, kernels):
     """A row rounds the same alone in its group (a decode step) and among other rows of its own and other groups
-    (a verify pass): the kernel's tiles never change with the row count."""
+    (a verify pass): the kernel's tiles never change with the row count, and FP8 rows are scaled by their own
+    values alone."""
     k, n = 96, 64
     w, scale = make_stack(2, 4, k, n, jnp.bfloat16, block)
     x = make_rows(3, 20, k, jnp.bfloat16)
-    run = jax.jit(lambda x, sizes: grouped_matmul(x, w, sizes, scale=scale, block=block, kernels=INTERPRET))
+    run = jax.jit(lambda x, sizes: grouped_matmul(x, w, sizes, scale=scale, block=block, kernels=kernels))
     batch = run(x, jnp.asarray([5, 7, 0, 8], jnp.int32))
     for row, group in [(0, 0), (6, 1), (11, 1), (19, 3)]:
         alone = run(x[row:row + 1], jnp.asarray([int(g == group) for g in range(4)], jnp.int32))
@@ -173,3 +175,31 @@ def test_the_compiled_kernel_matches_the_reference_on_the_gpu():
     got = jax.jit(lambda x: grouped_matmul(x, w, sizes, scale=scale, block=(128, 128)))(x)
     want = grouped_matmul_reference(x, w, sizes, scale=scale, block=(128, 128))
     assert relative_error(got, np.asarray(want, np.float64)) < 1e-2
+
+
+def quantized_rows(x, chunk: int) -> np.ndarray:
+    """x [M, K] as the kernel's fp8_rows multiplies it, in float64: each row's chunk of K rounded to e4m3 at the
+    scale amax / 448, then scaled back."""
+    x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    out = np.zeros_like(x)
+    for start in range(0, x.shape[1], chunk):
+        part = x[:, start:start + chunk]
+        row_scale = np.maximum(np.abs(part).max(axis=1, keepdims=True), np.finfo(np.float32).tiny) / 448.0
+        codes = jnp.asarray(part / row_scale, jnp.float32).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+        out[:, start:start + chunk] = np.asarray(codes, np.float64) * row_scale
+    return out
+
+
+@pytest.mark.parametrize("k, n, block", [case for case in CASES if case[2] is not None])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fp8_rows_multiply_the_rows_quantized_per_chunk(k, n, block, dtype):
+    """fp8_activations: the kernel's FP8 x FP8 product equals the oracle's on the rows quantized per scale block
+    of K (their own amax scale), and differs from the exact rows' product by the quantization alone."""
+    w, scale = make_stack(0, len(SIZES), k, n, dtype, block)
+    x = make_rows(1, sum(SIZES), k, dtype)
+    got = grouped_matmul(x, w, jnp.asarray(SIZES, jnp.int32), scale=scale, block=block,
+                         kernels=KernelPolicy(interpret=True, fp8_activations=True),
+                         config=GroupedMatmulConfig(block_n=16))
+    assert relative_error(got, oracle(quantized_rows(x, block[0]), w, SIZES, scale, block)) < (
+        1e-5 if dtype == jnp.float32 else 2e-2)
+    assert 1e-3 < relative_error(got, oracle(x, w, SIZES, scale, block)) < 0.1

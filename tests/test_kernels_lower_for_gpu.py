@@ -109,16 +109,17 @@ def test_top_k_top_p_search_lowers(triton_modules, vocab, config):
     assert_verified(triton_modules)
 
 
-@pytest.mark.parametrize("rows, shape", [
-    (8, (16, 256, 256)),   # decode: an FP8 expert stack, K split
-    (1, (1, 512, 256)),    # one dense FP8 matrix
-    (5000, (4, 256, 128)),  # prefill: no K split
+@pytest.mark.parametrize("rows, shape, fp8_rows", [
+    (8, (16, 256, 256), False),    # decode: an FP8 expert stack, K split
+    (8, (16, 256, 256), True),     # the same, FP8 x FP8
+    (1, (1, 512, 256), False),     # one dense FP8 matrix
+    (5000, (4, 256, 128), False),  # prefill: no K split
 ])
-def test_grouped_matmul_kernel_lowers(triton_modules, rows, shape):
+def test_grouped_matmul_kernel_lowers(triton_modules, rows, shape, fp8_rows):
     groups, k, n = shape
     x = jnp.zeros((rows, k), jnp.bfloat16)
     w = jnp.zeros(shape, jnp.float8_e4m3fn)
     scale = jnp.ones((groups, k // 128, n // 128), jnp.float32)
-    lower_for_cuda(lambda x, w, s, g: grouped_matmul_triton(x, w, g, scale=s, block=(128, 128)), x, w, scale,
-                   jnp.zeros((groups,), jnp.int32))
+    lower_for_cuda(lambda x, w, s, g: grouped_matmul_triton(x, w, g, scale=s, block=(128, 128), fp8_rows=fp8_rows),
+                   x, w, scale, jnp.zeros((groups,), jnp.int32))
     assert_verified(triton_modules)

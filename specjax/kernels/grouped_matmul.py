@@ -19,7 +19,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, scale:
     _check_inputs(x, w, group_sizes, scale, block)
     if kernels.use_grouped_matmul_kernel(fp8=w.dtype.itemsize == 1, rows=x.shape[0], groups=w.shape[0]):
         out = grouped_matmul_triton(x, w, group_sizes, scale=scale, block=block, config=config,
-                                    interpret=kernels.interpret)
+                                    fp8_rows=kernels.fp8_activations, interpret=kernels.interpret)
         return jnp.where((jnp.arange(x.shape[0]) < group_sizes.sum())[:, None], out, 0)
     return grouped_matmul_reference(x, w, group_sizes, scale=scale, block=block)
 

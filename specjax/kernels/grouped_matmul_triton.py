@@ -14,6 +14,10 @@ group).
 - A 1-byte stack is read as uint16 pairs of adjacent columns, so that an element offset fits int32 up to 4 GiB
   (Pallas uses 64-bit offsets only past 4 GiB, while an int32 offset of a 1-byte array stops at 2 GiB); the low
   byte is the even column, the high byte the odd one, each half its own dot.
+- `fp8_rows`: an FP8 stack multiplies FP8 rows instead, each row's K chunk (a scale block's rows, 128 in
+  DeepSeek's checkpoints) quantized to e4m3 with its own scale (amax / 448: DeepSeek-V3's activation scheme, as
+  vLLM runs block-FP8 checkpoints): an FP8 x FP8 dot and no conversion of the weights in the loop, at the cost
+  of the rows' precision.
 - A row's result depends on its own row alone and the tile shapes never change with the row count, so a token
   rounds the same in a decode step and in a verify pass (exact greedy speculation) while both stay within
   MAX_SPLIT_ROWS rows.
@@ -95,9 +99,9 @@ def max_tiles(rows: int, groups: int) -> int:
 
 def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, scale: jax.Array | None = None,
                           block: tuple[int, int] | None = None, config: GroupedMatmulConfig | None = None,
-                          interpret: bool = False) -> jax.Array:
+                          fp8_rows: bool = False, interpret: bool = False) -> jax.Array:
     """specjax.kernels.grouped_matmul_reference, as one kernel (rows past sum(group_sizes) are left unwritten;
-    the dispatcher zeroes them)."""
+    the dispatcher zeroes them). fp8_rows: a 1-byte stack multiplies rows quantized to e4m3 per K chunk."""
     rows, in_features = x.shape
     groups, _, out_features = w.shape
     config = config or default_config(groups)
@@ -112,7 +116,7 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     kernel = functools.partial(
         _grouped_kernel, pairs=pairs, weight_dtype=w.dtype, has_scale=scale is not None, in_features=in_features,
         out_features=out_features, block_k=block_k, block_n=config.block_n, chunks_per_split=chunks_per_split,
-        whole_tiles=in_features % block_k == 0 and stored.shape[2] % config.block_n == 0,
+        whole_tiles=in_features % block_k == 0 and stored.shape[2] % config.block_n == 0, fp8_rows=fp8_rows and pairs,
         scale_block_n=block[1] if scale is not None else 1,
         precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT)
     partials = pl.pallas_call(
@@ -136,7 +140,8 @@ def _as_pairs(w: jax.Array) -> jax.Array:
 
 def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, *refs, pairs: bool, weight_dtype,
                     has_scale: bool, in_features: int, out_features: int, block_k: int, block_n: int,
-                    chunks_per_split: int, whole_tiles: bool, scale_block_n: int, precision: lax.Precision) -> None:
+                    chunks_per_split: int, whole_tiles: bool, fp8_rows: bool, scale_block_n: int,
+                    precision: lax.Precision) -> None:
     """One (tile, column block, K split): nothing for an empty tile; else the K loop over the split's chunks of
     dots (one per column phase: even and odd columns of a pair view), scaled per block, and one masked store per
     phase into the split's partial output. Where the blocks tile the stack whole (`whole_tiles`, every DeepSeek
@@ -162,9 +167,14 @@ def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, *refs, pairs: b
             raw = plt.load(w_ref.at[group, ks[:, None], stored_col[None, :]],
                            **({} if whole_tiles else dict(mask=k_ok[:, None] & stored_ok[None, :], other=0)))
             tiles = _unpair(raw, weight_dtype) if pairs else (raw,)
+            if fp8_rows:
+                lhs, row_scale = _quantized(xs, weight_dtype)
             updated = []
             for total, weights, cols in zip(totals, tiles, out_cols):
-                part = plt.dot(xs, weights.astype(xs.dtype), precision=precision)
+                if fp8_rows:
+                    part = plt.dot(lhs, weights) * row_scale[:, None]
+                else:
+                    part = plt.dot(xs, weights.astype(xs.dtype), precision=precision)
                 if has_scale:
                     part = part * plt.load(scale_ref.at[group, chunk, cols // scale_block_n],
                                            **({} if whole_tiles else dict(mask=stored_ok, other=0.0)))[None, :]
@@ -178,6 +188,14 @@ def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, *refs, pairs: b
         for total, cols in zip(totals, out_cols):
             plt.store(out_ref.at[split, row[:, None], cols[None, :]], total.astype(out_ref.dtype),
                       mask=row_ok[:, None] & (cols < out_features)[None, :])
+
+
+def _quantized(xs: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """Rows [M, K] as `dtype` (a 1-byte float) scaled to its largest value, and each row's scale (amax / max)."""
+    rows = xs.astype(jnp.float32)
+    amax = jnp.maximum(jnp.max(jnp.abs(rows), axis=1), jnp.finfo(jnp.float32).tiny)
+    row_scale = amax / float(jnp.finfo(dtype).max)
+    return (rows / row_scale[:, None]).astype(dtype), row_scale
 
 
 def _unpair(raw: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:

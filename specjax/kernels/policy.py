@@ -54,6 +54,11 @@ class KernelPolicy:
     grouped_matmul_kernel: bool = True
     grouped_matmul_min_plain_rows: int = 16
     dense_kernel_max_plain_rows: int = 16
+    # FP8 stacks in the kernel multiply FP8 activations (each row's chunk of a scale block's rows quantized to e4m3
+    # with its own scale, as DeepSeek-V3's inference and vLLM do): no weight conversion in the kernel's loop, rows
+    # rounded to e4m3. Off: rows stay in their dtype and the weights are converted to it (what the reference
+    # computes, and what runs off the kernels whatever this says).
+    fp8_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
