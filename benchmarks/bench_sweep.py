@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -48,7 +49,7 @@ class Drafter:
     make its proposer (k, adaptive) with the state it reads."""
     name: str
     method: str
-    make: object   # (k, adaptive) -> (proposer, draft state)
+    make: Callable[[int, bool], tuple[Any, Any]]   # (k, adaptive) -> (proposer, draft state)
 
 
 def drafter(kind: str, target_cfg, target_state, draft_cfg, smoke: bool) -> Drafter:
