@@ -74,13 +74,15 @@ def on_gpu() -> bool:
 def median_time(fn: Callable[[], object], repeats: int = 10, warmup: int = 2) -> float:
     """Median seconds of fn() (its result blocked on), after warm-up."""
     for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        wall_seconds(fn)
+    return statistics.median(wall_seconds(fn) for _ in range(repeats))
+
+
+def wall_seconds(fn: Callable[[], object]) -> float:
+    """Seconds of one fn() call, its result blocked on."""
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
 
 
 def relative_error(out, expected) -> float:
@@ -108,23 +110,18 @@ def copy_bandwidths(num_bytes: int = 2 << 30) -> dict[str, float]:
 WARM_SECONDS = 0.5
 
 
-def fastest_time(fn: Callable[[], object], repeats: int = 20) -> float:
-    """Fastest seconds of fn() (its result blocked on) over `repeats` runs, after WARM_SECONDS of runs."""
+def fastest_seconds(measure: Callable[[], float], repeats: int = 20) -> float:
+    """The smallest of `repeats` measure() readings (seconds), after WARM_SECONDS of readings."""
     begin = time.perf_counter()
     while time.perf_counter() - begin < WARM_SECONDS:
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return min(times)
+        measure()
+    return min(measure() for _ in range(repeats))
 
 
 def _xla_copy_bandwidth(num_bytes: int) -> float:
     x = jnp.ones((num_bytes // 4,), jnp.float32)
     copy = jax.jit(lambda a: a * 1.0001)
-    return 2 * x.nbytes / fastest_time(lambda: copy(x))
+    return 2 * x.nbytes / fastest_seconds(lambda: wall_seconds(lambda: copy(x)))
 
 
 def _torch_copy_bandwidth(num_bytes: int) -> dict[str, float]:
@@ -153,10 +150,7 @@ def _torch_copy_rate(torch, num_bytes: int) -> float:
         end.synchronize()
         return begin.elapsed_time(end) / 1e3
 
-    start = time.perf_counter()
-    while time.perf_counter() - start < WARM_SECONDS:
-        seconds()
-    return 2 * src.nbytes / min(seconds() for _ in range(20))
+    return 2 * src.nbytes / fastest_seconds(seconds)
 
 
 def matmul_flops(n: int = 8192) -> float:

@@ -165,19 +165,17 @@ def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, *refs, pairs: b
             k_ok = ks < in_features
             xs = plt.load(x_ref.at[row[:, None], ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             raw = plt.load(w_ref.at[group, ks[:, None], stored_col[None, :]],
-                           **({} if whole_tiles else dict(mask=k_ok[:, None] & stored_ok[None, :], other=0)))
+                           **_bounds(whole_tiles, k_ok[:, None] & stored_ok[None, :], 0))
             tiles = _unpair(raw, weight_dtype) if pairs else (raw,)
-            if fp8_rows:
-                lhs, row_scale = _quantized(xs, weight_dtype)
+            lhs, row_scale = _quantized(xs, weight_dtype) if fp8_rows else (xs, None)
             updated = []
             for total, weights, cols in zip(totals, tiles, out_cols):
-                if fp8_rows:
-                    part = plt.dot(lhs, weights) * row_scale[:, None]
-                else:
-                    part = plt.dot(xs, weights.astype(xs.dtype), precision=precision)
+                part = plt.dot(lhs, weights.astype(lhs.dtype), precision=precision)
+                if row_scale is not None:
+                    part = part * row_scale[:, None]
                 if has_scale:
                     part = part * plt.load(scale_ref.at[group, chunk, cols // scale_block_n],
-                                           **({} if whole_tiles else dict(mask=stored_ok, other=0.0)))[None, :]
+                                           **_bounds(whole_tiles, stored_ok, 0.0))[None, :]
                 updated.append(total + part)
             return tuple(updated)
 
@@ -188,6 +186,11 @@ def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, *refs, pairs: b
         for total, cols in zip(totals, out_cols):
             plt.store(out_ref.at[split, row[:, None], cols[None, :]], total.astype(out_ref.dtype),
                       mask=row_ok[:, None] & (cols < out_features)[None, :])
+
+
+def _bounds(whole_tiles: bool, mask: jax.Array, other) -> dict:
+    """plt.load's masking arguments: none where every block lies inside the array."""
+    return {} if whole_tiles else dict(mask=mask, other=other)
 
 
 def _quantized(xs: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
