@@ -12,9 +12,8 @@ cache, over the copy bandwidth measured in the same process.
         [--forms kernel,xla,fp8_rows] [--batches B ...] [--profile]
 
 (--forms: which forms v3_step and v2_e2e time: the grouped matmul kernel, XLA's with it off, the kernel on FP8 rows
-(fp8_rows; default kernel,xla); --profile: v3_step
-also traces 5 steps of the kernel form at each batch, v2_e2e its plain loops, and writes where the device time
-goes, per kernel kind.)
+(fp8_rows); default kernel,xla. --profile: v3_step also traces 5 steps of the kernel form at each batch, v2_e2e
+its plain loops, and writes where the device time goes, per kernel kind.)
 
 (v2_transformers, transformers' own V2-Lite as the peer, runs in a child process first.)
 
