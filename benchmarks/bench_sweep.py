@@ -10,9 +10,10 @@ Target: the Llama-3.1-8B shape or the default model's (SmolLM2-135M), bf16. Draf
 (8b only) or an EAGLE-3-shaped head for the target (one layer, three captured layers, a 32k draft vocabulary).
 Modes: "plain", "fixed" (every k from 1 to --k), "auto" (k chosen each iteration between 0 and --k from step
 times the engine measures on its first call). Each engine runs the requests once untimed (compilation,
-calibration), then once timed. Prints a table (tokens/s, against plain and against the best fixed k, slot
-occupancy, iterations at each k) and writes $OUT/bench_sweep.json after each engine. Synthetic acceptance takes
-drafts whether or not the target agrees, so the tokens are not plain decoding's: this measures speed only.
+calibration), then once timed; plain decoding once per slot count, whatever the acceptance lengths. Prints a
+table (tokens/s, against plain and against the best fixed k, slot occupancy, iterations at each k) and writes
+$OUT/bench_sweep.json after each engine. Synthetic acceptance takes drafts whether or not the target agrees, so
+the tokens are not plain decoding's: this measures speed only.
 `--smoke`: tiny shapes, 6 requests, 2 slots, a few tokens (checks the script).
 """
 from __future__ import annotations
@@ -69,14 +70,12 @@ def drafter(kind: str, target_cfg, target_state, draft_cfg, smoke: bool) -> Draf
                      catch_up_window=PROBE_EVERY if adaptive else 0), state))
 
 
-def engines(modes: list[str], k_max: int, al: float, method: str) -> list[tuple[str, dict | None]]:
-    """(name, speculative_config) of each engine the modes ask for."""
+def speculative_engines(modes: list[str], k_max: int, al: float, method: str) -> list[tuple[str, dict]]:
+    """(name, speculative_config) of each speculative engine the modes ask for at acceptance length `al`."""
     def spec(k: int, policy: str) -> dict:
         return {"method": method, "model": "random", "num_speculative_tokens": k, "speculation_policy": policy,
                 "rejection_sample_method": "synthetic", "synthetic_acceptance_length": min(al, k + 1)}
-    out = [("plain", None)] if "plain" in modes else []
-    if "fixed" in modes:
-        out += [(f"k={k}", spec(k, "fixed")) for k in range(1, k_max + 1)]
+    out = [(f"k={k}", spec(k, "fixed")) for k in range(1, k_max + 1)] if "fixed" in modes else []
     if "auto" in modes:
         out.append((f"auto k<={k_max}", spec(k_max, "auto")))
     return out
@@ -101,6 +100,49 @@ def run(runner: WaveRunner, reqs: list[Request], admission: bool) -> float:
         for wave in runner.waves(reqs):
             runner.run_wave(wave)
     return time.perf_counter() - start
+
+
+@dataclasses.dataclass
+class Sweep:
+    """The sweep's fixed parts and its rows so far; measure() adds one row per runner of one engine."""
+    target_cfg: Any
+    graph: Any
+    state: Any
+    draft: Drafter
+    reqs: list[Request]
+    new_tokens: int
+    shape: str
+    k_max: int
+    runners: list[str]
+    rows: list[dict] = dataclasses.field(default_factory=list)
+    best_fixed: dict = dataclasses.field(default_factory=dict)   # (al, slots, runner) -> tokens/s
+
+    def measure(self, name: str, spec: dict | None, slots: int, al: float | None) -> None:
+        adaptive = spec is not None and spec["speculation_policy"] == "auto"
+        proposer, draft_state = (NoProposer(), None) if spec is None else self.draft.make(
+            spec["num_speculative_tokens"], adaptive)
+        config = EngineConfig(model="random", tokenizer="random", max_num_seqs=slots, max_model_len=MAX_MODEL_LEN,
+                              speculative_config=spec).resolve(self.target_cfg)
+        runner = WaveRunner(self.graph, self.state, proposer, draft_state, config, eos_token_ids=(),
+                            vocab_size=self.target_cfg.vocab_size, cost_key=f"{self.shape}+{self.draft.name}")
+        for mode in self.runners:
+            run(runner, self.reqs, mode == "admission")   # compiles; auto measures its step times
+            iterations_before = _iterations_per_k(runner, self.k_max)
+            seconds = run(runner, self.reqs, mode == "admission")
+            tok_s = self.new_tokens / seconds
+            best = self.best_fixed.get((al, slots, mode))
+            if spec is not None and not adaptive:
+                self.best_fixed[al, slots, mode] = max(best or 0.0, tok_s)
+            occupancy = runner.queue_traces[-1].occupancy if mode == "admission" else None
+            self.rows.append(dict(
+                shape=self.shape, drafter=self.draft.name, al=al, slots=slots, engine=name, runner=mode,
+                tok_s=round(tok_s, 1), seconds=round(seconds, 3),
+                over_best_fixed=round(tok_s / best, 3) if adaptive and best else None,
+                occupancy=occupancy and round(sum(occupancy) / slots, 3),
+                iterations_per_k=adaptive and [a - b for a, b in zip(_iterations_per_k(runner, self.k_max),
+                                                                       iterations_before)] or None))
+            print(self.rows[-1], flush=True)
+            write_json("bench_sweep", self.rows)
 
 
 def main(argv=None) -> None:
@@ -129,36 +171,15 @@ def main(argv=None) -> None:
     new_tokens = sum(r.params.max_tokens for r in reqs)
     print(f"{jax.devices()[0].device_kind}: {args.shape} + {draft.name}, {len(reqs)} requests, {new_tokens} "
           "tokens", flush=True)
-    rows = []
-    for al in (float(a) for a in args.al.split(",")):
-        for slots in (int(s) for s in args.slots.split(",")):
-            best_fixed = {}
-            for name, spec in engines(args.modes.split(","), args.k, al, draft.method):
-                adaptive = spec is not None and spec["speculation_policy"] == "auto"
-                proposer, draft_state = (NoProposer(), None) if spec is None else draft.make(spec[
-                    "num_speculative_tokens"], adaptive)
-                config = EngineConfig(model="random", tokenizer="random", max_num_seqs=slots,
-                                      max_model_len=MAX_MODEL_LEN, speculative_config=spec).resolve(target_cfg)
-                runner = WaveRunner(graph, state, proposer, draft_state, config, eos_token_ids=(),
-                                    vocab_size=target_cfg.vocab_size, cost_key=f"{args.shape}+{draft.name}")
-                for mode in args.runners.split(","):
-                    run(runner, reqs, mode == "admission")   # compiles; auto measures its step times
-                    iterations_before = _iterations_per_k(runner, args.k)
-                    seconds = run(runner, reqs, mode == "admission")
-                    tok_s = new_tokens / seconds
-                    if spec is not None and not adaptive:
-                        best_fixed[mode] = max(best_fixed.get(mode, 0.0), tok_s)
-                    occupancy = runner.queue_traces[-1].occupancy if mode == "admission" else None
-                    rows.append(dict(
-                        shape=args.shape, drafter=draft.name, al=al, slots=slots, engine=name, runner=mode,
-                        tok_s=round(tok_s, 1), seconds=round(seconds, 3),
-                        over_best_fixed=round(tok_s / best_fixed[mode], 3) if adaptive and mode in best_fixed
-                        else None,
-                        occupancy=occupancy and round(sum(occupancy) / slots, 3),
-                        iterations_per_k=adaptive and [a - b for a, b in zip(_iterations_per_k(runner, args.k),
-                                                                               iterations_before)] or None))
-                    print(rows[-1], flush=True)
-                    write_json("bench_sweep", rows)
+    modes, runners = args.modes.split(","), args.runners.split(",")
+    sweep = Sweep(target_cfg, graph, state, draft, reqs, new_tokens, args.shape, args.k, runners)
+    for slots in (int(s) for s in args.slots.split(",")):
+        if "plain" in modes:   # no drafts, so one run serves every acceptance length
+            sweep.measure("plain", None, slots, al=None)
+        for al in (float(a) for a in args.al.split(",")):
+            for name, spec in speculative_engines(modes, args.k, al, draft.method):
+                sweep.measure(name, spec, slots, al)
+    rows = sweep.rows
     _add_over_plain(rows)
     print_table(rows)
     write_json("bench_sweep", rows)
@@ -173,10 +194,11 @@ def _iterations_per_k(runner: WaveRunner, k_max: int) -> list[int]:
 
 
 def _add_over_plain(rows: list[dict]) -> None:
-    """Each row's tokens/s over plain decoding's at the same acceptance length, slots and runner."""
-    plain = {(r["al"], r["slots"], r["runner"]): r["tok_s"] for r in rows if r["engine"] == "plain"}
+    """Each row's tokens/s over plain decoding's (one run for every acceptance length) at the same slots and
+    runner."""
+    plain = {(r["slots"], r["runner"]): r["tok_s"] for r in rows if r["engine"] == "plain"}
     for r in rows:
-        base = plain.get((r["al"], r["slots"], r["runner"]))
+        base = plain.get((r["slots"], r["runner"]))
         r["over_plain"] = base and round(r["tok_s"] / base, 3)
 
 
