@@ -93,8 +93,11 @@ def test_greedy_admission_equals_plain_decoding_in_waves(tiny_dir, default_model
         assert metrics["vllm:spec_decode_num_drafts"].value == sum(o.outputs[0].num_drafts for o in outs) > 0
     if "speculation_policy" in extra or "num_speculative_tokens_per_batch_size" in extra:
         [adaptive] = llm.speculation_trace()
-        assert len(adaptive.k_per_step) == trace.steps and len(set(adaptive.k_per_step)) > 1
-        assert max(adaptive.live_per_step) <= SLOTS
+        assert len(adaptive.k_per_step) == trace.steps and max(adaptive.live_per_step) <= SLOTS
+        if "speculation_policy" in extra:   # auto: the choice follows the acceptance
+            assert len(set(adaptive.k_per_step)) > 1
+        else:   # the table: admission keeps the 8 slots full (its tail too, longest first), so its K for 8 rows
+            assert adaptive.k_per_step[0] == 1 and set(adaptive.k_per_step) <= {0, 1, 3}
     if method == "draft_model":   # self-drafting accepts every draft, admitted rows included
         metrics = {m.name: m for m in llm.get_metrics()}
         assert metrics["vllm:spec_decode_num_accepted_tokens"].value == \
@@ -215,3 +218,19 @@ def test_prompts_of_very_different_lengths_are_admitted_in_calls_of_their_own(ti
     llm = LLM(str(tiny_dir), **limits)
     assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == _tokens(waves)
     assert [t.requests for t in llm.admission_trace()] == [20, 20]
+
+
+def test_the_largest_budgets_are_admitted_first_so_the_call_ends_with_its_longest_request(tiny_dir,
+                                                                                        default_model_dir):
+    """16 requests of 4 tokens, then one of 40: admitted in request order the 40-token request would start after
+    the short ones (about 48 iterations); admitted first it overlaps them and the call lasts its own 40 tokens.
+    The outputs stay in request order and equal waves'."""
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7]} for i in range(17)]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4)] * 16 + [
+        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=40)]
+    llm = _llm(tiny_dir, default_model_dir)
+    waves = _llm(tiny_dir, default_model_dir, continuous_admission=False)
+    tokens = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    assert tokens == _tokens(waves.generate(prompts, params, use_tqdm=False))
+    assert [len(t) for t in tokens] == [4] * 16 + [40]
+    assert llm.admission_trace()[-1].steps <= 40

@@ -130,14 +130,17 @@ class WaveRunner:
     def queues(self, requests: Sequence[Request]) -> Iterator[list[int]]:
         """The requests (their indices) in calls of continuous admission: grouped by prompt length
         (length_groups), then as many per call as QUEUE_RESULT_BYTES of results hold at max_model_len (a call
-        keeps every request's tokens and records on the device until it returns), and more than the slots."""
+        keeps every request's tokens and records on the device until it returns), and more than the slots.
+        Within a call the largest token budgets go first (ties in request order): the call lasts until its last
+        admitted request ends, so a long request admitted last would run on with most slots empty (longest
+        first, a classic makespan rule). Results come back in request order whatever the admission order."""
         n_top = max(_num_top(r.params.logprobs, self.vocab_size) + _num_top(r.params.prompt_logprobs,
                                                                              self.vocab_size) for r in requests)
         per_request = (self.config.max_model_len + spare_slots(self.proposer) + 1) * RECORD_BYTES * (1 + n_top)
         step = max(self.config.max_num_seqs + 1, QUEUE_RESULT_BYTES // per_request)
         for group in length_groups([len(r.prompt_token_ids) for r in requests], self.config.max_num_seqs):
             for i in range(0, len(group), step):
-                yield group[i:i + step]
+                yield sorted(group[i:i + step], key=lambda j: -self._max_new(requests[j]))
 
     def run_queue(self, requests: Sequence[Request]) -> list[RowResult]:
         """More requests than slots in one jitted call: each slot takes the next request when its row is done
