@@ -9,7 +9,8 @@ compiled while body launches and copies (`loop`, the 8B or the default model's s
 
 Writes $OUT/bench_engine_<suite>_<impl>.json and prints a table per suite. `--smoke` runs every suite (unless
 --suites says otherwise) on tiny shapes, to check the script on a CPU. `tree`: a draft tree's verify pass (N nodes
-under the root, tree-masked) against a chain's of as many tokens and a decode step.
+under the root, tree-masked) against a chain's of as many tokens and a decode step, by wall clock and by the
+device's busy time; with --trace, each pass's kernels too.
 """
 from __future__ import annotations
 
@@ -334,24 +335,43 @@ def stepper(model: Subject, B, T, context, tree: TreeMask | None = None, distinc
     return run
 
 
-def tree_suite(target: Subject, sizes: Sizes, context: int) -> list[dict]:
+def tree_suite(target: Subject, sizes: Sizes, context: int, trace: bool = False) -> list[dict]:
     """A tree's verify pass (each node's children: up to 4, breadth first) against a chain pass of as many
-    tokens and a decode step, at `context`."""
+    tokens and a decode step, at `context`: wall-clock per pass (each a jitted call: dispatch included) and the
+    device's busy time per pass from a profiler trace (NaN off GPUs). trace: also each pass's kernels by kind
+    (printed, and written to $OUT as bench_engine_tree_profile_b{B}_n{nodes}.json)."""
     rows = []
     for B in sizes.step_batches:
         decode = step_time(target, B, 1, context)
+        decode_us, _ = pass_profile(target, B, 1, context)
         for nodes in sizes.tree_nodes:
             parents = jnp.broadcast_to(jnp.arange(nodes, dtype=jnp.int32) // 4, (B, nodes))
             depth = jnp.ones((B, nodes), jnp.int32)
             for j in range(4, nodes):
                 depth = depth.at[:, j].set(depth[:, j // 4 - 1] + 1)
-            tree = DraftTree(jnp.ones((B, nodes), jnp.int32), parents, depth)
-            start = jnp.full((B,), context, jnp.int32)
-            t_tree = step_time(target, B, nodes + 1, context, tree.verify_mask(start, nodes))
+            mask = DraftTree(jnp.ones((B, nodes), jnp.int32), parents, depth).verify_mask(
+                jnp.full((B,), context, jnp.int32), nodes)
+            t_tree = step_time(target, B, nodes + 1, context, mask)
             t_chain = step_time(target, B, nodes + 1, context)
+            tree_us, tree_kinds = pass_profile(target, B, nodes + 1, context, mask)
+            chain_us, chain_kinds = pass_profile(target, B, nodes + 1, context)
             rows.append(dict(batch=B, nodes=nodes, context=context, tree_ms=1e3 * t_tree, chain_ms=1e3 * t_chain,
-                             decode_ms=1e3 * decode, tree_over_decode=t_tree / decode))
+                             decode_ms=1e3 * decode, tree_over_decode=t_tree / decode, tree_device_us=tree_us,
+                             chain_device_us=chain_us, decode_device_us=decode_us))
+            if trace:
+                print(f"tree pass, batch {B}, {nodes} nodes: device time per pass by kernel (tree, then chain)")
+                print_table(tree_kinds)
+                print_table(chain_kinds)
+                write_json(f"bench_engine_tree_profile_b{B}_n{nodes}", dict(tree=tree_kinds, chain=chain_kinds))
     return rows
+
+
+def pass_profile(model: Subject, B, T, context, tree: TreeMask | None = None, steps: int = 5
+                 ) -> tuple[float, list[dict]]:
+    """Device busy time of one pass of model.step (us; NaN off GPUs) and its kernels by kind, per pass, from a
+    profiler trace of `steps` passes."""
+    kernels = traced_kernels(stepper(model, B, T, context, tree, steps=steps))
+    return (busy_ns(kernels) / steps / 1e3 if kernels else float("nan")), by_kernel(kernels, per=steps)
 
 
 def loop_suite(target: Subject, bandwidth, context, new_tokens, batches=(1,), trace=False) -> list[dict]:
@@ -438,7 +458,8 @@ def parse_args(argv):
     parser.add_argument("--loop-shape", default="8b", choices=SHAPES, help="the loop suite's model shape")
     parser.add_argument("--tree-shape", default="8b", choices=SHAPES, help="the tree suite's model shape")
     parser.add_argument("--loop-batches", default="1", help="the loop suite's row counts (default 1)")
-    parser.add_argument("--trace", action="store_true", help="profile the loop suite's loop")
+    parser.add_argument("--trace", action="store_true", help="profile the loop suite's loop and the tree "
+                        "suite's passes")
     parser.add_argument("--tree-nodes", help="the tree suite's node counts (default 8,16,32,64)")
     parser.add_argument("--smoke", action="store_true", help="every suite on tiny shapes, to check the script on CPU")
     args = parser.parse_args(argv)
@@ -486,7 +507,7 @@ def main(argv=None) -> None:
         results["eagle"] = eagle_suite(target, small_batches, ks, sizes)
     if "tree" in suites:
         tree_cfg, context = (target_cfg, sizes.context) if args.smoke else SHAPES[args.tree_shape]
-        results["tree"] = tree_suite(shaped(tree_cfg), sizes, context)
+        results["tree"] = tree_suite(shaped(tree_cfg), sizes, context, args.trace)
     if "loop" in suites:
         loop_cfg, context = (target_cfg, sizes.prompt_len) if args.smoke else SHAPES[args.loop_shape]
         results["loop"] = loop_suite(shaped(loop_cfg), bandwidth, context, sizes.loop_new_tokens, args.loop_batches,
