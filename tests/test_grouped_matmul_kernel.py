@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from specjax.kernels.grouped_matmul import grouped_matmul
 from specjax.kernels.grouped_matmul_reference import grouped_matmul_reference
 from specjax.kernels.grouped_matmul_triton import (BLOCK_M, GroupedMatmulConfig, grouped_matmul_triton, max_tiles,
-                                                   tile_table)
+                                                   needs_pairs, tile_table)
 from specjax.kernels.policy import KernelPolicy, has_kernels
 from specjax.models.fp8 import dequantize_blocks, quantize_blocks
 
@@ -63,9 +63,10 @@ CASES = [  # (K, N, block): edge blocks in K and N; a column block over several 
 ]
 
 
-@pytest.mark.parametrize("k, n, block", CASES)
+@pytest.mark.parametrize("k, n, block, pairs", [case + (None,) for case in CASES] +
+                         [case + (True,) for case in CASES if case[2] is not None])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_kernel_and_reference_match_the_float64_oracle(k, n, block, dtype):
+def test_kernel_and_reference_match_the_float64_oracle(k, n, block, pairs, dtype):
     w, scale = make_stack(0, len(SIZES), k, n, dtype, block)
     rows = sum(SIZES) + 2                     # two rows past the groups: zero
     x = make_rows(1, rows, k, dtype)
@@ -75,7 +76,7 @@ def test_kernel_and_reference_match_the_float64_oracle(k, n, block, dtype):
     with jax.default_matmul_precision("highest"):
         reference = grouped_matmul_reference(x, w, sizes, scale=scale, block=block)
     kernel = grouped_matmul(x, w, sizes, scale=scale, block=block, kernels=INTERPRET,
-                            config=GroupedMatmulConfig(block_n=16, block_k=32))
+                            config=GroupedMatmulConfig(block_n=16, block_k=32, pairs=pairs))
     for got in (reference, kernel):
         assert got.shape == (rows, n) and got.dtype == dtype
         assert relative_error(got, want) < tolerance
@@ -116,15 +117,34 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(block, kernels):
         np.testing.assert_array_equal(np.asarray(alone[0], np.float32), np.asarray(batch[row], np.float32))
 
 
-def test_an_fp8_stack_is_read_as_column_pairs():
-    """The uint16 view of a 1-byte stack keeps every column in place: a single-expert, single-block matmul with an
-    identity input reads the codes back column by column (scale 1)."""
+@pytest.mark.parametrize("pairs", [True, False])
+def test_an_fp8_stack_reads_back_column_by_column(pairs):
+    """Read as uint16 pairs or as it is, a 1-byte stack keeps every column in place: a single-expert, single-block
+    matmul with an identity input reads the codes back column by column (scale 1)."""
     k, n = 16, 32
     codes = jnp.asarray(np.random.default_rng(4).uniform(-4, 4, (1, k, n)), jnp.float8_e4m3fn)
     ones = jnp.ones((1, 1, 1), jnp.float32)
     got = grouped_matmul_triton(jnp.eye(k, dtype=jnp.float32), codes, jnp.asarray([k], jnp.int32), scale=ones,
-                                block=(k, n), interpret=True)
+                                block=(k, n), config=GroupedMatmulConfig(block_n=8, pairs=pairs), interpret=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(codes[0], np.float32))
+
+
+def test_only_stacks_whose_offsets_overflow_are_read_as_pairs():
+    """Pairs for a 1-byte stack of 2 to 4 GiB (V3's 256 experts of one projection on one device), loads as they
+    are below (a device's share under expert parallelism) and above (Pallas's 64-bit offsets); forcing direct
+    loads where offsets overflow is refused before tracing."""
+    def stack(experts):
+        return jax.ShapeDtypeStruct((experts, 2048, 7168), jnp.float8_e4m3fn)
+    assert [needs_pairs(stack(e)) for e in (64, 128, 256, 512)] == [False, False, True, False]
+    assert not needs_pairs(jax.ShapeDtypeStruct((256, 2048, 7168), jnp.bfloat16))
+    x, sizes = jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((256,), jnp.int32)
+    scale = jax.ShapeDtypeStruct((256, 16, 56), jnp.float32)
+    with pytest.raises(ValueError, match="pairs=False.*overflows"):
+        jax.eval_shape(lambda x, w, g, s: grouped_matmul_triton(
+            x, w, g, scale=s, block=(128, 128), config=GroupedMatmulConfig(pairs=False)), x, stack(256), sizes, scale)
+    with pytest.raises(ValueError, match="pairs=True needs a 1-byte stack"):
+        grouped_matmul_triton(jnp.ones((2, 16)), jnp.ones((1, 16, 8)), jnp.asarray([2], jnp.int32),
+                              config=GroupedMatmulConfig(pairs=True), interpret=True)
 
 
 def fake_device(platform, capability=None):

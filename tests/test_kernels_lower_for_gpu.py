@@ -6,6 +6,8 @@ wrong integer type did, once). Lowering for CUDA needs no GPU; the module is ver
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -14,7 +16,7 @@ import pytest
 from jax._src.pallas.triton import pallas_call_registration as registration
 
 from specjax.kernels.attention_triton import attention_triton
-from specjax.kernels.grouped_matmul_triton import grouped_matmul_triton
+from specjax.kernels.grouped_matmul_triton import default_config, grouped_matmul_triton
 from specjax.kernels.projection_triton import projection_triton
 from specjax.kernels.top_k_top_p import LARGE_BATCH_CONFIG
 from specjax.kernels.top_k_top_p_triton import SearchConfig, keep_mask_triton
@@ -109,17 +111,21 @@ def test_top_k_top_p_search_lowers(triton_modules, vocab, config):
     assert_verified(triton_modules)
 
 
-@pytest.mark.parametrize("rows, shape, fp8_rows", [
-    (8, (16, 256, 256), False),    # decode: an FP8 expert stack, K split
-    (8, (16, 256, 256), True),     # the same, FP8 x FP8
-    (1, (1, 512, 256), False),     # one dense FP8 matrix
-    (5000, (4, 256, 128), False),  # prefill: no K split
+@pytest.mark.parametrize("rows, shape, fp8_rows, pairs", [
+    (8, (16, 256, 256), False, None),    # decode: an FP8 expert stack loaded as it is, K split
+    (8, (16, 256, 256), False, True),    # the same read as column pairs (a 2-4 GiB stack)
+    (8, (16, 256, 256), True, None),     # FP8 x FP8
+    (8, (16, 256, 256), True, True),
+    (1, (1, 512, 256), False, None),     # one dense FP8 matrix
+    (5000, (4, 256, 128), False, None),  # prefill: no K split
 ])
-def test_grouped_matmul_kernel_lowers(triton_modules, rows, shape, fp8_rows):
+def test_grouped_matmul_kernel_lowers(triton_modules, rows, shape, fp8_rows, pairs):
     groups, k, n = shape
     x = jnp.zeros((rows, k), jnp.bfloat16)
     w = jnp.zeros(shape, jnp.float8_e4m3fn)
     scale = jnp.ones((groups, k // 128, n // 128), jnp.float32)
-    lower_for_cuda(lambda x, w, s, g: grouped_matmul_triton(x, w, g, scale=s, block=(128, 128), fp8_rows=fp8_rows),
+    config = dataclasses.replace(default_config(groups, 1), pairs=pairs)
+    lower_for_cuda(lambda x, w, s, g: grouped_matmul_triton(x, w, g, scale=s, block=(128, 128), config=config,
+                                                            fp8_rows=fp8_rows),
                    x, w, scale, jnp.zeros((groups,), jnp.int32))
     assert_verified(triton_modules)

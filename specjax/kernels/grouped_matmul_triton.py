@@ -11,9 +11,10 @@ group).
   split count depends on the matrix shape alone, not on the row count.
 - FP8 matrices stay FP8 in memory: a K chunk is one 128-row scale block, converted to the activations' dtype in
   registers; its fp32 partial product is multiplied by the block's column scales and added.
-- A 1-byte stack is read as uint16 pairs of adjacent columns, so that an element offset fits int32 up to 4 GiB
-  (Pallas uses 64-bit offsets only past 4 GiB, while an int32 offset of a 1-byte array stops at 2 GiB); the low
-  byte is the even column, the high byte the odd one, each half its own dot.
+- A 1-byte stack of 2 to 4 GiB is read as uint16 pairs of adjacent columns: Pallas computes element offsets in
+  int32 up to 4 GiB of array (64-bit past it), and those of a 1-byte array overflow from 2 GiB. The low byte is
+  the even column, the high byte the odd one, each half its own dot. Any other 1-byte stack (one device's experts
+  under expert parallelism, most of all) is loaded as it is, with no unpacking in the loop.
 - `fp8_rows`: an FP8 stack multiplies FP8 rows instead, each row's K chunk (a scale block's rows, 128 in
   DeepSeek's checkpoints) quantized to e4m3 with its own scale (amax / 448: DeepSeek-V3's activation scheme, as
   vLLM runs block-FP8 checkpoints): an FP8 x FP8 dot and no conversion of the weights in the loop, at the cost
@@ -43,20 +44,30 @@ MAX_SPLIT_ROWS = 4096
 
 @dataclasses.dataclass(frozen=True)
 class GroupedMatmulConfig:
-    """Static launch parameters (part of the compiled program). block_n counts stored columns: column pairs for
-    a 1-byte stack."""
+    """Static launch parameters (part of the compiled program). block_n counts output columns (even for a stack
+    read as pairs: block_n / 2 of them per program)."""
 
     block_n: int = 32
     block_k: int = 128      # a scaled stack's K chunk is its scale block, whatever this says
     num_warps: int = 4
     num_stages: int = 3
     k_splits: int | None = None   # None: default_k_splits
+    pairs: bool | None = None     # a 1-byte stack read as uint16 column pairs; None: where offsets need it
 
 
-def default_config(groups: int) -> GroupedMatmulConfig:
-    """Launch parameters for a stack of `groups` matrices: narrow column blocks for MoE experts (a few rows each),
-    wide ones with 8 warps for one dense matrix (an H200 sweep, benchmarks/RESULTS.md)."""
-    return GroupedMatmulConfig(block_n=64, num_warps=8) if groups == 1 else GroupedMatmulConfig()
+def default_config(groups: int, itemsize: int) -> GroupedMatmulConfig:
+    """Launch parameters for a stack of `groups` matrices of `itemsize`-byte elements: narrow column blocks for
+    MoE experts (a few rows each), wide ones with 8 warps for one dense matrix, twice the columns for 1-byte
+    elements (an H200 sweep, benchmarks/RESULTS.md, in bytes per row of a tile)."""
+    widen = 2 if itemsize == 1 else 1
+    if groups == 1:
+        return GroupedMatmulConfig(block_n=64 * widen, num_warps=8)
+    return GroupedMatmulConfig(block_n=32 * widen)
+
+
+def needs_pairs(w: jax.Array) -> bool:
+    """Whether a stack must be read as column pairs: 1-byte elements, 2 to 4 GiB (see the module's notes)."""
+    return w.dtype.itemsize == 1 and 2 ** 31 <= w.size <= 2 ** 32
 
 
 def default_k_splits(column_blocks: int, k_chunks: int) -> int:
@@ -104,19 +115,21 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     the dispatcher zeroes them). fp8_rows: a 1-byte stack multiplies rows quantized to e4m3 per K chunk."""
     rows, in_features = x.shape
     groups, _, out_features = w.shape
-    config = config or default_config(groups)
-    pairs = w.dtype.itemsize == 1
+    config = config or default_config(groups, w.dtype.itemsize)
+    pairs = _read_as_pairs(w, config)
     stored = _as_pairs(w) if pairs else w
+    block_n = config.block_n // 2 if pairs else config.block_n
     block_k = block[0] if scale is not None else config.block_k
-    column_blocks, k_chunks = pl.cdiv(stored.shape[2], config.block_n), pl.cdiv(in_features, block_k)
+    column_blocks, k_chunks = pl.cdiv(stored.shape[2], block_n), pl.cdiv(in_features, block_k)
     splits = 1 if rows > MAX_SPLIT_ROWS else config.k_splits or default_k_splits(column_blocks, k_chunks)
     chunks_per_split = pl.cdiv(k_chunks, splits)
     splits = pl.cdiv(k_chunks, chunks_per_split)
     args = [*tile_table(group_sizes, rows), x, stored] + ([scale] if scale is not None else [])
     kernel = functools.partial(
         _grouped_kernel, pairs=pairs, weight_dtype=w.dtype, has_scale=scale is not None, in_features=in_features,
-        out_features=out_features, block_k=block_k, block_n=config.block_n, chunks_per_split=chunks_per_split,
-        whole_tiles=in_features % block_k == 0 and stored.shape[2] % config.block_n == 0, fp8_rows=fp8_rows and pairs,
+        out_features=out_features, block_k=block_k, block_n=block_n, chunks_per_split=chunks_per_split,
+        whole_tiles=in_features % block_k == 0 and stored.shape[2] % block_n == 0,
+        fp8_rows=fp8_rows and w.dtype.itemsize == 1,
         scale_block_n=block[1] if scale is not None else 1,
         precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT)
     partials = pl.pallas_call(
@@ -130,6 +143,19 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
         name="specjax_grouped_matmul",
     )(*args)
     return functools.reduce(jnp.add, list(partials)).astype(x.dtype)   # in split order: one rounding, always
+
+
+def _read_as_pairs(w: jax.Array, config: GroupedMatmulConfig) -> bool:
+    """config.pairs, or where offsets need them; a clear error where the choice cannot hold."""
+    if config.pairs is None:
+        return needs_pairs(w)
+    if config.pairs and (w.dtype.itemsize != 1 or w.shape[2] % 2 or config.block_n % 2):
+        raise ValueError(f"GroupedMatmulConfig.pairs=True needs a 1-byte stack with an even number of columns and "
+                         f"an even block_n, got {w.dtype} {list(w.shape)}, block_n={config.block_n}")
+    if not config.pairs and needs_pairs(w):
+        raise ValueError(f"GroupedMatmulConfig.pairs=False: a 1-byte stack of {w.size / 2 ** 30:.2f} GiB overflows "
+                         "the kernel's 32-bit offsets; leave pairs unset (None) or True")
+    return config.pairs
 
 
 def _as_pairs(w: jax.Array) -> jax.Array:
