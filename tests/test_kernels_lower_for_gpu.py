@@ -117,13 +117,15 @@ def test_top_k_top_p_search_lowers(triton_modules, vocab, config):
     (8, (16, 256, 256), True, None),     # FP8 x FP8
     (8, (16, 256, 256), True, True),
     (1, (1, 512, 256), False, None),     # one dense FP8 matrix
+    (3, (2, 200, 150), False, None),     # edge blocks: masked FP8 loads
+    (3, (2, 200, 150), False, True),
     (5000, (4, 256, 128), False, None),  # prefill: no K split
 ])
 def test_grouped_matmul_kernel_lowers(triton_modules, rows, shape, fp8_rows, pairs):
     groups, k, n = shape
     x = jnp.zeros((rows, k), jnp.bfloat16)
     w = jnp.zeros(shape, jnp.float8_e4m3fn)
-    scale = jnp.ones((groups, k // 128, n // 128), jnp.float32)
+    scale = jnp.ones((groups, -(-k // 128), -(-n // 128)), jnp.float32)
     config = dataclasses.replace(default_config(groups, 1), pairs=pairs)
     lower_for_cuda(lambda x, w, s, g: grouped_matmul_triton(x, w, g, scale=s, block=(128, 128), config=config,
                                                             fp8_rows=fp8_rows),

@@ -191,7 +191,7 @@ def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, *refs, pairs: b
             k_ok = ks < in_features
             xs = plt.load(x_ref.at[row[:, None], ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             raw = plt.load(w_ref.at[group, ks[:, None], stored_col[None, :]],
-                           **_bounds(whole_tiles, k_ok[:, None] & stored_ok[None, :], 0))
+                           **_bounds(whole_tiles, k_ok[:, None] & stored_ok[None, :], 0 if pairs else 0.0))
             tiles = _unpair(raw, weight_dtype) if pairs else (raw,)
             lhs, row_scale = _quantized(xs, weight_dtype) if fp8_rows else (xs, None)
             updated = []
