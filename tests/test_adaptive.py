@@ -462,6 +462,30 @@ def test_step_times_are_the_slope_over_iterations():
     assert calibration.measure_step_costs(run, _rows(2), 3, room=2) == (1.0, 1.0, 1.0)
 
 
+def test_calibration_on_a_quiet_machine_runs_each_tier_twice(monkeypatch):
+    """A compiling run, then two timed rounds of the one-token run (the fixed costs, shared by every tier) and
+    one run per tier, when the second round leaves every time where the first put it."""
+    import types
+
+    now, calls = [0.0], []
+
+    class State:
+        def __init__(self, steps):
+            self.steps = np.int32(steps)
+
+    def run(inputs, rows):
+        steps = int(np.max(rows.max_tokens))
+        now[0] += 0.005 + steps * (int(inputs.forced_tier) + 1) * 1e-3
+        calls.append((int(inputs.forced_tier), steps))
+        return State(steps)
+
+    monkeypatch.setattr(calibration, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    costs = calibration.measure_step_costs(run, _rows(2), 3, room=32)
+    np.testing.assert_allclose(costs, [1e-3, 2e-3, 3e-3], rtol=0.05)
+    assert sorted(set(calls)) == [(0, 1), (0, 32), (1, 32), (2, 32)]
+    assert len(calls) == 1 + 2 * 4
+
+
 def test_auto_calibrates_a_shape_once_and_stores_it(tiny_dir, default_model_dir, workload, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
     spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "speculation_policy": "auto"}

@@ -1,10 +1,12 @@
 """Step times of an adaptive loop's tiers, measured on the compiled loop itself and kept on disk.
 
-A tier's step time is the slope of wall time over loop iterations: the loop runs twice with every row forced
-to that tier, once for a few tokens and once for more, and the difference cancels the prefill and the call's
-fixed costs. Rows ignore their stop ids while measuring, so each run's length is what was asked. The times are
-stored per model, proposer, tiers, batch shape and device in $SPECJAX_CACHE/step_costs.json, so a shape is
-calibrated once per machine; `speculative_config["step_costs"]` overrides them.
+A tier's step time is the slope of wall time over loop iterations: the loop runs with every row forced to
+that tier for CALIBRATION_TOKENS tokens, less a run of one token, whose time is the prefill and the call's fixed
+costs. That run is the same for every tier (the forced tier is an input of one compiled program, and one token
+is the prefill's), so it is measured once. Rows ignore their stop ids while measuring, so each run's length is
+what was asked. The times are stored per model, proposer, tiers, batch shape and device in
+$SPECJAX_CACHE/step_costs.json, so a shape is calibrated once per machine; `speculative_config["step_costs"]`
+overrides them.
 """
 from __future__ import annotations
 
@@ -22,12 +24,15 @@ import numpy as np
 from specjax.engine.adaptive import PolicyInputs, policy_inputs
 from specjax.engine.state import RowParams
 
-# New tokens per row of the longer measuring run (the shorter one runs a quarter of it), and how many times each
-# run is timed. Noise on a shared machine only ever adds time, and a calibration-sized run varies by 15-25% on a
-# 2-core box, so each time is the fastest of its repeats, taken round-robin over the tiers so that a slow spell
-# falls on all of them alike (benchmarks/RESULTS.md, "Adaptive speculation on CPU").
+# New tokens per row of a tier's measuring run, and how many times at most each run is timed. Noise on a shared
+# machine only ever adds time, and a calibration-sized run varies by 15-25% on a 2-core box, so each time is the
+# fastest of its repeats, taken round-robin over the runs so that a slow spell falls on all of them alike
+# (benchmarks/RESULTS.md, "Adaptive speculation on CPU"); every other round backwards, so that a disturbance in
+# step with the rounds does not always hit the same run. The rounds stop once one leaves every fastest time
+# within STABLE of the round before (on a quiet machine, after two).
 CALIBRATION_TOKENS = 32
 REPEATS = 5
+STABLE = 0.02
 
 
 def measure_step_costs(run: Callable[[PolicyInputs, RowParams], Any], rows: RowParams, n_tiers: int,
@@ -36,19 +41,23 @@ def measure_step_costs(run: Callable[[PolicyInputs, RowParams], Any], rows: RowP
     state (anything with `steps`, the loop iterations it ran); room: new tokens every row has space for in the
     loop's buffers."""
     long = min(CALIBRATION_TOKENS, room)
-    short = max(1, long // 4)
-    if long - short < 2:
+    if long < 3:
         return (1.0,) * n_tiers   # no room to measure: equal costs, so the most expected tokens wins
-    measuring = {n: _measuring_rows(rows, n) for n in (short, long)}
+    fixed = (0, 1)   # one token: the prefill and the call, whatever the tier
+    cases = [fixed] + [(tier, long) for tier in range(n_tiers)]
+    measuring = {n: _measuring_rows(rows, n) for n in (1, long)}
     forced = [policy_inputs(np.ones(n_tiers, np.float32), tier) for tier in range(n_tiers)]
-    cases = [(tier, n) for tier in range(n_tiers) for n in (short, long)]
-    steps = {case: _run_steps(run, forced[case[0]], measuring[case[1]]) for case in cases}   # also the warm-ups
-    fastest = dict.fromkeys(cases, float("inf"))
-    for _ in range(REPEATS):
-        for case in cases:
-            fastest[case] = min(fastest[case], _seconds(run, forced[case[0]], measuring[case[1]]))
-    return tuple(max((fastest[tier, long] - fastest[tier, short]) / max(steps[tier, long] - steps[tier, short], 1),
-                     1e-9) for tier in range(n_tiers))
+    jax.block_until_ready(run(forced[0], measuring[1]))   # compiles
+    fastest, steps = dict.fromkeys(cases, float("inf")), {}
+    for repeat in range(REPEATS):
+        before = dict(fastest)
+        for case in cases if repeat % 2 == 0 else cases[::-1]:
+            seconds, steps[case] = _timed(run, forced[case[0]], measuring[case[1]])
+            fastest[case] = min(fastest[case], seconds)
+        if repeat and all(fastest[case] >= (1 - STABLE) * before[case] for case in cases):
+            break
+    return tuple(max((fastest[tier, long] - fastest[fixed]) / max(steps[tier, long] - steps[fixed], 1), 1e-9)
+                 for tier in range(n_tiers))
 
 
 def _measuring_rows(rows: RowParams, new_tokens: int) -> RowParams:
@@ -58,15 +67,12 @@ def _measuring_rows(rows: RowParams, new_tokens: int) -> RowParams:
                                stop_ids=np.full_like(np.asarray(rows.stop_ids), -1))
 
 
-def _run_steps(run, inputs: PolicyInputs, rows: RowParams) -> int:
-    """Loop iterations of one run (the same every time: the tokens are greedy or seeded)."""
-    return int(jax.device_get(jax.block_until_ready(run(inputs, rows)).steps))
-
-
-def _seconds(run, inputs: PolicyInputs, rows: RowParams) -> float:
+def _timed(run, inputs: PolicyInputs, rows: RowParams) -> tuple[float, int]:
+    """Seconds of one run, and its loop iterations (the same every time: the tokens are greedy or seeded)."""
     begin = time.perf_counter()
-    jax.block_until_ready(run(inputs, rows))
-    return time.perf_counter() - begin
+    state = jax.block_until_ready(run(inputs, rows))
+    seconds = time.perf_counter() - begin
+    return seconds, int(jax.device_get(state.steps))
 
 
 class StepCostStore:
