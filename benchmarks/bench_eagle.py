@@ -4,7 +4,7 @@ and n-gram speculation, greedy, on held-out GSM8K questions (the training runs' 
     PYTHONPATH=. python benchmarks/bench_eagle.py [--head HEAD_DIR (default: the shipped head)] [--num 32]
         [--mtp MTP_HEAD_DIR (default: the shipped MTP head; "" leaves MTP out)]
         [--max-tokens 256] [--batches 1,8] [--k 3] [--policy fixed|auto|fixed,auto] [--prompts FILE] [--dtype bfloat16]
-        [--chains 3,5] [--trees 16:4:5,32:4:6] [--methods ngram,eagle3,mtp] [--smoke]
+        [--chains 3,5] [--trees 16:4:5,32:4:6] [--methods ngram,eagle3,mtp] [--profile] [--smoke]
 
 Prints a table (tokens/s, speedup over plain, acceptance length and per-position rates, same tokens as plain)
 and writes $OUT/bench_eagle.json (or benchmarks/results), rewritten after each engine (a run cut short keeps
@@ -13,12 +13,17 @@ the script). `--policy auto` runs the speculative engines under adaptive specula
 between 0 and --k; the step times are measured in the untimed warm-up run), and reports how often each k ran.
 `--prompts ../shared/data/chat_prompts.jsonl` takes general chat prompts instead of GSM8K's questions.
 `--chains` adds EAGLE-3 (and MTP) chains of those k, `--trees NODES:BRANCHING:DEPTH,...` EAGLE-3 (and MTP) draft
-trees of those shapes.
+trees of those shapes. `--profile` (GPU) also traces one wave of each engine after its timed run and prints
+where an iteration's device time goes, by what the engine loop called (drafting, the target's pass, acceptance,
+commit) and by innermost function (benchmarks/loop_profile.py); written to $OUT/bench_eagle_profile.json.
 """
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
+
+import jax
 
 from benchmarks.common import print_table, time_llm, write_json
 from specjax.default_model import default_eagle3_head_dir, default_model_dir, default_mtp_head_dir
@@ -45,8 +50,12 @@ def main(argv=None) -> None:
     parser.add_argument("--chains", default="", help="more EAGLE-3 chains: comma-separated k")
     parser.add_argument("--trees", default="", help="EAGLE-3 draft trees: comma-separated NODES:BRANCHING:DEPTH")
     parser.add_argument("--methods", default="ngram,eagle3,mtp", help="the speculative methods to run beside plain")
+    parser.add_argument("--profile", action="store_true", help="where each engine's iteration spends device time")
     parser.add_argument("--smoke", action="store_true", help="2 questions, 8 tokens, batch 1: checks the script")
     args = parser.parse_args(argv)
+    if args.profile:   # the profile compiles each loop again to read its stack frames: from this cache, a load
+        jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp())
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     if args.smoke:
         args.num, args.max_tokens, args.batches, args.trees = 2, 8, "1", args.trees or "4:2:2"
     model_dir = default_model_dir()
@@ -67,11 +76,12 @@ def main(argv=None) -> None:
                                   {**spec, "speculation_policy": policy})
                                  for policy in args.policy.split(",") for name, spec in drafters
                                  if spec["method"] in methods]
-    rows = []
+    rows, profiles = [], []
     for batch in (int(b) for b in args.batches.split(",")):
         plain = None
         for name, spec in specs:
-            result = time_llm(model_dir, spec, prompt_ids, batch, args.max_tokens, dtype=args.dtype)
+            result = time_llm(model_dir, spec, prompt_ids, batch, args.max_tokens, dtype=args.dtype,
+                              profile=args.profile)
             plain = plain or result
             n = sum(map(len, result["tokens"]))
             rows.append(dict(engine=f"specjax {name}", batch=batch, tok_s=round(n / result["seconds"], 1),
@@ -82,7 +92,18 @@ def main(argv=None) -> None:
                              iterations_per_k=result["iterations_per_k"]))
             print(rows[-1], flush=True)
             write_json("bench_eagle", rows)
+            if result["profile"]:
+                profiles.append(dict(engine=rows[-1]["engine"], batch=batch, **result["profile"]))
+                _print_profile(profiles[-1])
+                write_json("bench_eagle_profile", profiles)
     print_table(rows)
+
+
+def _print_profile(profile: dict) -> None:
+    print(f"{profile['engine']}, batch {profile['batch']}: {profile['busy_us_per_iteration']:.1f} us busy and "
+          f"{profile['kernels_per_iteration']:.1f} kernels per iteration ({profile['iterations']} iterations)")
+    print_table(profile["by_loop_call"])
+    print_table(profile["by_function"])
 
 
 def _tree_spec(method: str, head: str, shape: str) -> dict:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks.loop_profile import loop_profile
 from specjax import LLM, SamplingParams
 from specjax.engine.proposers.draft_model import DraftModelProposer
 from specjax.kernels.policy import KernelPolicy, has_kernels
@@ -206,12 +207,13 @@ def _fmt(v) -> str:
 
 
 def time_llm(model_dir, spec: dict | None, prompt_ids: list[list[int]], batch: int, max_tokens: int | list[int],
-             dtype: str = "auto", continuous_admission: bool = True) -> dict:
+             dtype: str = "auto", continuous_admission: bool = True, profile: bool = False) -> dict:
     """Greedy generation of prompt_ids through the LLM facade, batch slots (more prompts than slots: admitted
     as rows finish, or in waves), compiled beforehand: tokens per prompt, seconds, vLLM's acceptance length
     and per-position acceptance rates, (adaptive speculation) the timed run's loop iterations at each k, and
     (admission) the mean slot occupancy and prefill batches of the timed run. max_tokens: one for all, or one
-    per prompt."""
+    per prompt. profile: also where the device time of one wave of the first `batch` prompts goes, after the
+    timed run (loop_profile.py; {} off GPUs)."""
     llm = LLM(str(model_dir), speculative_config=spec, max_model_len=1024, max_num_seqs=batch, dtype=dtype,
               continuous_admission=continuous_admission)
     budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_ids)
@@ -231,7 +233,8 @@ def time_llm(model_dir, spec: dict | None, prompt_ids: list[list[int]], batch: i
     return dict(tokens=[o.token_ids for o in outs], seconds=seconds,
                 acceptance_length=(1 + accepted / drafts) if drafts else None, per_position=per_position,
                 iterations_per_k=iterations and [n - w for n, w in zip(iterations, warm_iterations)],
-                occupancy=timed and sum(timed.occupancy) / timed.slots, admissions=timed and timed.admissions)
+                occupancy=timed and sum(timed.occupancy) / timed.slots, admissions=timed and timed.admissions,
+                profile=loop_profile(llm, prompt_ids[:batch], params[0]) if profile else None)
 
 
 def _iterations_per_k(llm: LLM) -> list[int] | None:

@@ -1,0 +1,67 @@
+"""Which Python code made each instruction of a compiled XLA module, so that a profiler's kernels (each named by
+its HLO instruction) can be charged to the specjax functions that traced them.
+
+jax writes the call stack of every traced operation into the module: tables of file names, function names, file
+locations and stack frames, and on each instruction a `stack_frame_id`. XLA keeps them through its passes, so
+the optimized module's text (`compiled.as_text()`) still holds them: a fusion's frame is its root operation's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    file: str        # from the specjax package down ("engine/loop.py"), else the file's own name
+    function: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.function}"
+
+
+def instruction_stacks(hlo: str) -> dict[str, tuple[Frame, ...]]:
+    """Each instruction's call stack, innermost frame first, by instruction name (unique in a module); an
+    instruction whose metadata names no frame is left out."""
+    files = dict(_table(hlo, "FileNames", r'(\d+) "([^"]*)"'))
+    functions = dict(_table(hlo, "FunctionNames", r'(\d+) "([^"]*)"'))
+    locations = {i: Frame(_short(files[f]), functions[fn], int(line)) for i, f, fn, line in
+                 _table(hlo, "FileLocations", r"(\d+) \{file_name_id=(\d+) function_name_id=(\d+) line=(\d+)")}
+    frames = {int(i): (location, int(parent)) for i, location, parent in
+              _table(hlo, "StackFrames", r"(\d+) \{file_location_id=(\d+) parent_frame_id=(\d+)")}
+    # The text writes a frame's parent one above its id (a root's as 1, the first frame's own id) in the
+    # versions seen so far; a table where no frame names itself as parent is read as written. Frames past the
+    # innermost few can repeat (a caller's chain copied into an inlined computation's): read the inner ones.
+    shift = 1 if any(parent == i for i, (_, parent) in frames.items()) else 0
+
+    def stack(frame: int) -> tuple[Frame, ...]:
+        found = []
+        while frame in frames and len(found) <= len(frames):
+            location, parent = frames[frame]
+            found.append(locations[location])
+            frame = parent - shift
+        return tuple(found)
+
+    return {name: stack(int(frame)) for name, frame in
+            re.findall(r"^\s*(?:ROOT )?%?([\w.-]+) = [^\n]*stack_frame_id=(\d+)", hlo, re.M)}
+
+
+def charged_to(stack: tuple[Frame, ...], caller: str | None = None) -> str:
+    """The function a kernel of this stack is charged to, as file:function: the innermost frame, or (caller: a
+    file) the frame that the caller file's innermost frame called, i.e. which of that file's calls made it (the
+    innermost frame when the caller is not on the stack, "?" for an empty stack)."""
+    if not stack:
+        return "?"
+    calls = [i for i, frame in enumerate(stack) if frame.file == caller]
+    return str(stack[calls[0] - 1] if calls and calls[0] > 0 else stack[0])
+
+
+def _table(hlo: str, title: str, row: str) -> list[tuple[str, ...]]:
+    """The rows of one of the module's trailing tables (a title line, then rows up to a blank line)."""
+    found = re.search(rf"^{title}\n((?:.+\n?)*)", hlo, re.M)
+    return re.findall(rf"^{row}", found.group(1), re.M) if found else []
+
+
+def _short(path: str) -> str:
+    return path.rsplit("/specjax/", 1)[1] if "/specjax/" in path else path.rsplit("/", 1)[-1]

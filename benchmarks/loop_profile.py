@@ -1,0 +1,59 @@
+"""Where one generate call's device time goes, by the specjax function that traced each kernel: a profiler trace
+of the call (device_trace.py) joined with the compiled loop's stack frames (hlo_source.py), per loop iteration.
+
+Two views: by what the engine loop called (engine/loop.py's innermost frame and the call it made: the proposer's
+drafting, the target's pass, the acceptance rule, the commit) and by the innermost function (a top_k, an
+rms_norm). Off GPUs the trace holds no kernels and the profile is empty.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any, Sequence
+
+from benchmarks.device_trace import Kernel, busy_ns, traced_kernels
+from benchmarks.hlo_source import charged_to, instruction_stacks
+from specjax import LLM, SamplingParams
+from specjax.engine.runner import Request, _spec_key
+
+LOOP_FILE = "engine/loop.py"
+
+
+def loop_profile(llm: LLM, prompt_ids: Sequence[list[int]], params: SamplingParams, top: int = 20) -> dict[str, Any]:
+    """The device time of one greedy call over prompt_ids (at most the engine's slots: one wave), per loop
+    iteration: busy time, kernels, and the time and kernels charged to each function in both views ({} off
+    GPUs). The prefill's kernels are in the call and so in the figures (one pass among the iterations)."""
+    inputs = [{"prompt_token_ids": ids} for ids in prompt_ids]
+    outs = []
+    kernels = traced_kernels(lambda: outs.append(llm.generate(inputs, params, use_tqdm=False)))
+    if not kernels:
+        return {}
+    rows = [o.outputs[0] for o in outs[-1]]
+    iterations = max(row.num_drafts or len(row.token_ids) for row in rows)
+    stacks = instruction_stacks(compiled_loop_text(llm, prompt_ids, params))
+    return dict(iterations=iterations, busy_us_per_iteration=busy_ns(kernels) / iterations / 1e3,
+                kernels_per_iteration=len(kernels) / iterations,
+                by_loop_call=charged(kernels, stacks, iterations, LOOP_FILE, top),
+                by_function=charged(kernels, stacks, iterations, None, top))
+
+
+def charged(kernels: list[Kernel], stacks: dict, per: int, caller: str | None, top: int) -> list[dict]:
+    """Time (us) and kernel count per `per` charged to each function (hlo_source.charged_to), largest first;
+    a kernel whose instruction the module does not name (a copy XLA added, a runtime's own) goes to "?"."""
+    time, count = collections.Counter(), collections.Counter()
+    for kernel in kernels:
+        function = charged_to(stacks.get(kernel.op, ()), caller)
+        time[function] += kernel.duration_ns
+        count[function] += 1
+    return [dict(function=f, us=ns / per / 1e3, kernels=count[f] / per) for f, ns in time.most_common(top)]
+
+
+def compiled_loop_text(llm: LLM, prompt_ids: Sequence[list[int]], params: SamplingParams) -> str:
+    """The optimized HLO of the loop program one wave of these prompts runs (the engine's own, compiled again
+    from the same inputs)."""
+    runner = llm._runner
+    wave = [Request(list(ids), params, seed_index=i) for i, ids in enumerate(prompt_ids)]
+    prompts, lengths, rows, cache_len = runner._pack(wave)
+    key = _spec_key(wave, rows, runner.vocab_size)
+    policy = runner._policy_inputs(None, key, rows, lengths, cache_len)   # stored by the calls before
+    return runner.generate_fn(*key).lower(runner.target_state, runner.draft_state, prompts, lengths, rows, cache_len,
+                                          runner.synthetic_rates, policy).compile().as_text()

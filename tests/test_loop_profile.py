@@ -1,0 +1,47 @@
+"""The profile join of benchmarks/loop_profile.py: a compiled loop's instructions carry the stack that traced them,
+so a profiler's kernels (named by instruction) are charged to the functions the loop called. The GPU trace
+itself is exercised where there is one; here the kernels are the program's own instructions."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from benchmarks.device_trace import Kernel
+from benchmarks.hlo_source import Frame, charged_to, instruction_stacks
+from benchmarks.loop_profile import LOOP_FILE, charged, compiled_loop_text
+from specjax import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_checkpoint_factory):
+    return tiny_checkpoint_factory("llama")
+
+
+def test_a_kernel_is_charged_to_the_call_the_loop_made():
+    stack = (Frame("engine/draft_tree.py", "_best_children", 126), Frame("engine/draft_tree.py", "grow", 105),
+             Frame("engine/proposers/eagle.py", "HeadProposer.propose_tree", 180),
+             Frame(LOOP_FILE, "_tree_step.<locals>.step", 293), Frame(LOOP_FILE, "generate", 62))
+    assert charged_to(stack) == "engine/draft_tree.py:_best_children"
+    assert charged_to(stack, LOOP_FILE) == "engine/proposers/eagle.py:HeadProposer.propose_tree"
+    assert charged_to(stack[3:], LOOP_FILE) == f"{LOOP_FILE}:_tree_step.<locals>.step"
+    assert charged_to(stack[:2], LOOP_FILE) == "engine/draft_tree.py:_best_children"
+    assert charged_to((), LOOP_FILE) == "?"
+
+
+def test_the_compiled_loop_names_who_made_each_instruction(tiny_dir, default_model_dir):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    llm = LLM(str(tiny_dir), tokenizer=str(default_model_dir), max_model_len=128, max_num_seqs=2,
+              speculative_config=spec)
+    prompts, params = [[5, 6, 7, 5, 6], [9, 8, 9, 8]], SamplingParams(temperature=0.0, max_tokens=8)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    text = compiled_loop_text(llm, prompts, params)
+    stacks = instruction_stacks(text)
+    fusions = re.findall(r"^\s*(?:ROOT )?%?([\w.-]+) = \S+ fusion\(", text, re.M)
+    assert fusions and sum(name in stacks for name in fusions) >= 0.9 * len(fusions)
+    kernels = [Kernel(name, name, 0.0, 1000.0) for name in fusions] + [Kernel("x", "not-in-module", 0.0, 1000.0)]
+    by_call = {row["function"]: row for row in charged(kernels, stacks, per=2, caller=LOOP_FILE, top=100)}
+    assert "models/llama.py:LlamaForCausalLM.__call__" in by_call            # the target's passes
+    assert any(name.startswith("engine/proposers/ngram.py") for name in by_call)   # the drafting
+    assert by_call["?"]["kernels"] >= 0.5                                     # the kernel the module does not name
+    assert sum(row["us"] for row in by_call.values()) == pytest.approx(len(kernels) / 2)
