@@ -20,12 +20,9 @@ commit) and by innermost function (benchmarks/loop_profile.py); written to $OUT/
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 
-import jax
-
-from benchmarks.common import print_table, time_llm, write_json
+from benchmarks.common import print_table, reuse_compilations, time_llm, write_json
 from specjax.default_model import default_eagle3_head_dir, default_model_dir, default_mtp_head_dir
 from specjax.hub import load_tokenizer
 from specjax.training import data as data_lib
@@ -54,8 +51,7 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true", help="2 questions, 8 tokens, batch 1: checks the script")
     args = parser.parse_args(argv)
     if args.profile:   # the profile compiles each loop again to read its stack frames: from this cache, a load
-        jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp())
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        reuse_compilations()
     if args.smoke:
         args.num, args.max_tokens, args.batches, args.trees = 2, 8, "1", args.trees or "4:2:2"
     model_dir = default_model_dir()

@@ -3,7 +3,7 @@ continuous admission and through waves, at several slot counts, the drafts accep
 synthetic_acceptance_length) so that the speed of each choice shows without a trained drafter.
 
     PYTHONPATH=. python benchmarks/bench_sweep.py [--shape 8b|smollm2] [--drafter draft|eagle3] [--al 1.2,2.0,3.0]
-        [--num 512] [--prompt-len 64:256] [--max-tokens 32:512] [--slots 8,32,128,256] [--k 3]
+        [--num 512] [--per-slot N] [--prompt-len 64:256] [--max-tokens 32:512] [--slots 8,32,128,256] [--k 3]
         [--modes plain,fixed,auto] [--runners admission,waves] [--smoke]
 
 Target: the Llama-3.1-8B shape or the default model's (SmolLM2-135M), bf16. Drafter: the Llama-3.2-1B shape
@@ -14,6 +14,9 @@ calibration), then once timed; plain decoding once per slot count, whatever the 
 table (tokens/s, against plain and against the best fixed k, slot occupancy, iterations at each k) and writes
 $OUT/bench_sweep.json after each engine. Synthetic acceptance takes drafts whether or not the target agrees, so
 the tokens are not plain decoding's: this measures speed only.
+`--per-slot N` runs the first min(num, N x slots) requests at each slot count, so that small slot counts take
+about as long as large ones (one slot would take 512 requests one at a time). Engines that differ only in their
+acceptance rate run the same programs: the process's compilation cache (common.reuse_compilations) loads them.
 `--smoke`: tiny shapes, 6 requests, 2 slots, a few tokens (checks the script).
 """
 from __future__ import annotations
@@ -28,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.common import (LLAMA31_8B, LLAMA32_1B, SMOKE_DRAFT, SMOKE_TARGET, SMOLLM2_135M, print_table,
-                               random_model, write_json)
+                               random_model, reuse_compilations, write_json)
 from specjax.config import EngineConfig
 from specjax.config.speculation_policy import PROBE_EVERY
 from specjax.engine.proposers.base import NoProposer
@@ -110,7 +113,7 @@ class Sweep:
     state: Any
     draft: Drafter
     reqs: list[Request]
-    new_tokens: int
+    per_slot: int | None
     shape: str
     k_max: int
     runners: list[str]
@@ -125,18 +128,19 @@ class Sweep:
                               speculative_config=spec).resolve(self.target_cfg)
         runner = WaveRunner(self.graph, self.state, proposer, draft_state, config, eos_token_ids=(),
                             vocab_size=self.target_cfg.vocab_size, cost_key=f"{self.shape}+{self.draft.name}")
+        reqs = self.reqs if self.per_slot is None else self.reqs[:self.per_slot * slots]
         for mode in self.runners:
-            run(runner, self.reqs, mode == "admission")   # compiles; auto measures its step times
+            run(runner, reqs, mode == "admission")   # compiles; auto measures its step times
             iterations_before = _iterations_per_k(runner, self.k_max)
-            seconds = run(runner, self.reqs, mode == "admission")
-            tok_s = self.new_tokens / seconds
+            seconds = run(runner, reqs, mode == "admission")
+            tok_s = sum(r.params.max_tokens for r in reqs) / seconds
             best = self.best_fixed.get((al, slots, mode))
             if spec is not None and not adaptive:
                 self.best_fixed[al, slots, mode] = max(best or 0.0, tok_s)
             occupancy = runner.queue_traces[-1].occupancy if mode == "admission" else None
             self.rows.append(dict(
-                shape=self.shape, drafter=self.draft.name, al=al, slots=slots, engine=name, runner=mode,
-                tok_s=round(tok_s, 1), seconds=round(seconds, 3),
+                shape=self.shape, drafter=self.draft.name, al=al, slots=slots, requests=len(reqs), engine=name,
+                runner=mode, tok_s=round(tok_s, 1), seconds=round(seconds, 3),
                 over_best_fixed=round(tok_s / best, 3) if adaptive and best else None,
                 occupancy=occupancy and round(sum(occupancy) / slots, 3),
                 iterations_per_k=adaptive and [a - b for a, b in zip(_iterations_per_k(runner, self.k_max),
@@ -151,6 +155,7 @@ def main(argv=None) -> None:
     parser.add_argument("--drafter", default="eagle3", choices=("draft", "eagle3"))
     parser.add_argument("--al", default="1.2,2.0,3.0", help="synthetic acceptance lengths")
     parser.add_argument("--num", type=int, default=512)
+    parser.add_argument("--per-slot", type=int, default=None, help="at most this many requests per slot")
     parser.add_argument("--prompt-len", default="64:256", help="LOW:HIGH, each request's drawn uniformly")
     parser.add_argument("--max-tokens", default="32:512", help="LOW:HIGH, each request's drawn uniformly")
     parser.add_argument("--slots", default="8,32,128,256")
@@ -159,6 +164,7 @@ def main(argv=None) -> None:
     parser.add_argument("--runners", default="admission,waves")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 6 requests, 2 slots, a few tokens")
     args = parser.parse_args(argv)
+    reuse_compilations()
     if args.smoke:
         args.shape, args.al, args.num, args.prompt_len, args.max_tokens = "smoke", "2.0", 6, "4:8", "2:6"
         args.slots, args.k, args.modes, args.runners = "2", 2, "plain,auto", "admission"
@@ -168,11 +174,10 @@ def main(argv=None) -> None:
     draft = drafter(args.drafter, target_cfg, state, draft_cfg, args.smoke)
     reqs = requests(args.num, tuple(int(x) for x in args.prompt_len.split(":")),
                     tuple(int(x) for x in args.max_tokens.split(":")), target_cfg.vocab_size)
-    new_tokens = sum(r.params.max_tokens for r in reqs)
-    print(f"{jax.devices()[0].device_kind}: {args.shape} + {draft.name}, {len(reqs)} requests, {new_tokens} "
-          "tokens", flush=True)
+    print(f"{jax.devices()[0].device_kind}: {args.shape} + {draft.name}, {len(reqs)} requests, "
+          f"{sum(r.params.max_tokens for r in reqs)} tokens", flush=True)
     modes, runners = args.modes.split(","), args.runners.split(",")
-    sweep = Sweep(target_cfg, graph, state, draft, reqs, new_tokens, args.shape, args.k, runners)
+    sweep = Sweep(target_cfg, graph, state, draft, reqs, args.per_slot, args.shape, args.k, runners)
     for slots in (int(s) for s in args.slots.split(",")):
         if "plain" in modes:   # no drafts, so one run serves every acceptance length
             sweep.measure("plain", None, slots, al=None)

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -176,6 +177,15 @@ def kv_bytes_per_token(cfg: LlamaConfig, dtype=jnp.bfloat16) -> int:
 def device_name() -> str:
     d = jax.devices()[0]
     return f"{d.platform}:{getattr(d, 'device_kind', '')}"
+
+
+def reuse_compilations() -> None:
+    """A persistent JAX compilation cache for this process, in a fresh folder: an engine built again over the
+    same programs (another synthetic acceptance rate, another runner object) loads them instead of compiling
+    them again."""
+    jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="specjax-bench-jax-"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def out_dir() -> Path:
