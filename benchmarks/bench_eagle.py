@@ -13,9 +13,10 @@ the script). `--policy auto` runs the speculative engines under adaptive specula
 between 0 and --k; the step times are measured in the untimed warm-up run), and reports how often each k ran.
 `--prompts ../shared/data/chat_prompts.jsonl` takes general chat prompts instead of GSM8K's questions.
 `--chains` adds EAGLE-3 (and MTP) chains of those k, `--trees NODES:BRANCHING:DEPTH,...` EAGLE-3 (and MTP) draft
-trees of those shapes. `--profile` (GPU) also traces one wave of each engine after its timed run and prints
-where an iteration's device time goes, by what the engine loop called (drafting, the target's pass, acceptance,
-commit) and by innermost function (benchmarks/loop_profile.py); written to $OUT/bench_eagle_profile.json.
+trees of those shapes. `--profile` also counts the launches one iteration of each engine's compiled loop runs,
+by what the engine loop called (drafting, the target's pass, acceptance, commit), and on a GPU traces one wave
+after the timed run: where an iteration's device time goes, by loop call and by innermost function
+(benchmarks/loop_profile.py); written to $OUT/bench_eagle_profile.json.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def main(argv=None) -> None:
     parser.add_argument("--chains", default="", help="more EAGLE-3 chains: comma-separated k")
     parser.add_argument("--trees", default="", help="EAGLE-3 draft trees: comma-separated NODES:BRANCHING:DEPTH")
     parser.add_argument("--methods", default="ngram,eagle3,mtp", help="the speculative methods to run beside plain")
-    parser.add_argument("--profile", action="store_true", help="where each engine's iteration spends device time")
+    parser.add_argument("--profile", action="store_true", help="each engine's launches (and GPU time) per iteration")
     parser.add_argument("--smoke", action="store_true", help="2 questions, 8 tokens, batch 1: checks the script")
     args = parser.parse_args(argv)
     if args.profile:   # the profile compiles each loop again to read its stack frames: from this cache, a load
@@ -88,7 +89,7 @@ def main(argv=None) -> None:
                              iterations_per_k=result["iterations_per_k"]))
             print(rows[-1], flush=True)
             write_json("bench_eagle", rows)
-            if result["profile"]:
+            if result["profile"] is not None:
                 profiles.append(dict(engine=rows[-1]["engine"], batch=batch, **result["profile"]))
                 _print_profile(profiles[-1])
                 write_json("bench_eagle_profile", profiles)
@@ -96,10 +97,14 @@ def main(argv=None) -> None:
 
 
 def _print_profile(profile: dict) -> None:
-    print(f"{profile['engine']}, batch {profile['batch']}: {profile['busy_us_per_iteration']:.1f} us busy and "
-          f"{profile['kernels_per_iteration']:.1f} kernels per iteration ({profile['iterations']} iterations)")
-    print_table(profile["by_loop_call"])
-    print_table(profile["by_function"])
+    print(f"{profile['engine']}, batch {profile['batch']}: {profile['launches_per_iteration']} launches per "
+          "iteration of the compiled loop")
+    print_table(profile["launches_by_loop_call"])
+    if "iterations" in profile:
+        print(f"device: {profile['busy_us_per_iteration']:.1f} us busy and {profile['kernels_per_iteration']:.1f} "
+              f"kernels per iteration ({profile['iterations']} iterations)")
+        print_table(profile["by_loop_call"])
+        print_table(profile["by_function"])
 
 
 def _tree_spec(method: str, head: str, shape: str) -> dict:

@@ -222,8 +222,8 @@ def time_llm(model_dir, spec: dict | None, prompt_ids: list[list[int]], batch: i
     as rows finish, or in waves), compiled beforehand: tokens per prompt, seconds, vLLM's acceptance length
     and per-position acceptance rates, (adaptive speculation) the timed run's loop iterations at each k, and
     (admission) the mean slot occupancy and prefill batches of the timed run. max_tokens: one for all, or one
-    per prompt. profile: also where the device time of one wave of the first `batch` prompts goes, after the
-    timed run (loop_profile.py; {} off GPUs)."""
+    per prompt. profile: also the launches per iteration of the loop one wave of the first `batch` prompts runs,
+    and on a GPU where its device time goes (loop_profile.py), after the timed run."""
     llm = LLM(str(model_dir), speculative_config=spec, max_model_len=1024, max_num_seqs=batch, dtype=dtype,
               continuous_admission=continuous_admission)
     budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_ids)

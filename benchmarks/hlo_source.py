@@ -7,7 +7,9 @@ the optimized module's text (`compiled.as_text()`) still holds them: a fusion's 
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
 import re
 
 
@@ -55,6 +57,61 @@ def charged_to(stack: tuple[Frame, ...], caller: str | None = None) -> str:
         return "?"
     calls = [i for i, frame in enumerate(stack) if frame.file == caller]
     return str(stack[calls[0] - 1] if calls and calls[0] > 0 else stack[0])
+
+
+# Instructions that run as kernels of their own (on a GPU; on a CPU, as loops of their own).
+LAUNCHING = ("fusion", "custom-call", "copy", "sort", "dot", "scatter", "gather", "reduce", "dynamic-update-slice",
+             "dynamic-slice", "convolution", "all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+
+
+def launches_per_iteration(hlo: str) -> collections.Counter:
+    """How often each launching instruction runs in one iteration of the module's outermost loop of unknown
+    trip count (the generate loop; the body of the largest such loop), by instruction name: a nested loop's
+    body counts its known trip count times (once where unknown), a conditional its costliest branch."""
+    computations = _computations(hlo)
+    loops = [(body, computations[body].count("\n")) for _, body, config in _whiles(computations.values())
+             if "known_trip_count" not in config]
+    counts: collections.Counter = collections.Counter()
+    if loops:
+        _count(computations, max(loops, key=lambda loop: loop[1])[0], 1, counts)
+    return counts
+
+
+def _count(computations: dict[str, str], name: str, times: int, counts: collections.Counter) -> None:
+    text = computations[name]
+    for instruction, kind in re.findall(r"^\s*(?:ROOT )?%?([\w.-]+) = \S+ ([\w-]+)\(", text, re.M):
+        if kind in LAUNCHING:
+            counts[instruction] += times
+    for _, body, config in _whiles([text]):
+        trip = json.loads(config).get("known_trip_count", {}).get("n", 1) if config else 1
+        _count(computations, body, times * int(trip), counts)
+    for branches in re.findall(r"branch_computations=\{([^}]*)\}", text):
+        costs = []
+        for branch in re.findall(r"%?([\w.-]+)", branches):
+            branch_counts: collections.Counter = collections.Counter()
+            _count(computations, branch, times, branch_counts)
+            costs.append(branch_counts)
+        counts.update(max(costs, key=lambda c: sum(c.values())))
+    for callee in re.findall(r" call\([^\n]*to_apply=%?([\w.-]+)", text):
+        _count(computations, callee, times, counts)
+
+
+def _computations(hlo: str) -> dict[str, str]:
+    """Each computation's text (its instructions), by name."""
+    return {name: body for name, body in
+            re.findall(r"^(?:ENTRY )?%?([\w.-]+) \([^\n]*\{\n(.*?)^\}", hlo, re.M | re.S)}
+
+
+def _whiles(texts) -> list[tuple[str, str, str]]:
+    """(instruction, body computation, backend config or "") of each while loop in the texts."""
+    found = []
+    for text in texts:
+        for line in re.findall(r"^[^\n]* while\([^\n]*$", text, re.M):
+            name = re.match(r"\s*(?:ROOT )?%?([\w.-]+) =", line).group(1)
+            body = re.search(r"body=%?([\w.-]+)", line).group(1)
+            config = re.search(r"backend_config=(\{.*\})", line)
+            found.append((name, body, config.group(1) if config else ""))
+    return found
 
 
 def _table(hlo: str, title: str, row: str) -> list[tuple[str, ...]]:

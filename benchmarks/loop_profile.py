@@ -3,7 +3,8 @@ of the call (device_trace.py) joined with the compiled loop's stack frames (hlo_
 
 Two views: by what the engine loop called (engine/loop.py's innermost frame and the call it made: the proposer's
 drafting, the target's pass, the acceptance rule, the commit) and by the innermost function (a top_k, an
-rms_norm). Off GPUs the trace holds no kernels and the profile is empty.
+rms_norm). On any platform, also the launches one iteration of the compiled loop runs (nested loops times their
+trip counts), by what the loop called: on a GPU nearly its kernels, on a CPU its loops of XLA's own fusion.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import collections
 from typing import Any, Sequence
 
 from benchmarks.device_trace import Kernel, busy_ns, traced_kernels
-from benchmarks.hlo_source import charged_to, instruction_stacks
+from benchmarks.hlo_source import charged_to, instruction_stacks, launches_per_iteration
 from specjax import LLM, SamplingParams
 from specjax.engine.runner import Request, _spec_key
 
@@ -19,18 +20,25 @@ LOOP_FILE = "engine/loop.py"
 
 
 def loop_profile(llm: LLM, prompt_ids: Sequence[list[int]], params: SamplingParams, top: int = 20) -> dict[str, Any]:
-    """The device time of one greedy call over prompt_ids (at most the engine's slots: one wave), per loop
-    iteration: busy time, kernels, and the time and kernels charged to each function in both views ({} off
-    GPUs). The prefill's kernels are in the call and so in the figures (one pass among the iterations)."""
+    """One greedy call over prompt_ids (at most the engine's slots: one wave): the launches per iteration of its
+    compiled loop, by what the loop called; on a GPU also its device time per loop iteration (busy time,
+    kernels, and the time and kernels charged to each function in both views). The prefill's kernels are in the
+    call and so in the device figures (one pass among the iterations)."""
     inputs = [{"prompt_token_ids": ids} for ids in prompt_ids]
     outs = []
     kernels = traced_kernels(lambda: outs.append(llm.generate(inputs, params, use_tqdm=False)))
+    text = compiled_loop_text(llm, prompt_ids, params)
+    stacks, launches = instruction_stacks(text), launches_per_iteration(text)
+    by_call = collections.Counter()
+    for instruction, times in launches.items():
+        by_call[charged_to(stacks.get(instruction, ()), LOOP_FILE)] += times
+    profile = dict(launches_per_iteration=sum(launches.values()),
+                   launches_by_loop_call=[dict(function=f, launches=n) for f, n in by_call.most_common(top)])
     if not kernels:
-        return {}
+        return profile
     rows = [o.outputs[0] for o in outs[-1]]
     iterations = max(row.num_drafts or len(row.token_ids) for row in rows)
-    stacks = instruction_stacks(compiled_loop_text(llm, prompt_ids, params))
-    return dict(iterations=iterations, busy_us_per_iteration=busy_ns(kernels) / iterations / 1e3,
+    return dict(profile, iterations=iterations, busy_us_per_iteration=busy_ns(kernels) / iterations / 1e3,
                 kernels_per_iteration=len(kernels) / iterations,
                 by_loop_call=charged(kernels, stacks, iterations, LOOP_FILE, top),
                 by_function=charged(kernels, stacks, iterations, None, top))

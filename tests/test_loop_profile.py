@@ -8,8 +8,8 @@ import re
 import pytest
 
 from benchmarks.device_trace import Kernel
-from benchmarks.hlo_source import Frame, charged_to, instruction_stacks
-from benchmarks.loop_profile import LOOP_FILE, charged, compiled_loop_text
+from benchmarks.hlo_source import Frame, charged_to, instruction_stacks, launches_per_iteration
+from benchmarks.loop_profile import LOOP_FILE, charged, compiled_loop_text, loop_profile
 from specjax import LLM, SamplingParams
 
 
@@ -45,3 +45,36 @@ def test_the_compiled_loop_names_who_made_each_instruction(tiny_dir, default_mod
     assert any(name.startswith("engine/proposers/ngram.py") for name in by_call)   # the drafting
     assert by_call["?"]["kernels"] >= 0.5                                     # the kernel the module does not name
     assert sum(row["us"] for row in by_call.values()) == pytest.approx(len(kernels) / 2)
+
+
+def test_a_nested_loop_launches_its_body_trip_count_times():
+    """Per iteration of the outer loop of unknown length, the inner loop's three iterations launch three times
+    what the same work once launches."""
+    import collections
+
+    import jax
+    import jax.numpy as jnp
+
+    def f(x, w, n):
+        def body(c):
+            i, x = c
+            x = jax.lax.fori_loop(0, 3, lambda j, y: jnp.tanh(y @ w), x)
+            return i + 1, jnp.tanh(x @ w)
+        return jax.lax.while_loop(lambda c: c[0] < n, body, (0, x))[1]
+
+    inner_line = f.__code__.co_firstlineno + 3
+    text = jax.jit(f).lower(jnp.ones((4, 8)), jnp.ones((8, 8)), 5).compile().as_text()
+    stacks, by_line = instruction_stacks(text), collections.Counter()
+    for instruction, times in launches_per_iteration(text).items():
+        by_line[stacks[instruction][0].line if stacks.get(instruction) else None] += times
+    assert by_line[inner_line] == 3 * by_line[inner_line + 1] > 0
+
+
+def test_the_profile_counts_launches_by_what_the_loop_called(tiny_dir, default_model_dir):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    llm = LLM(str(tiny_dir), tokenizer=str(default_model_dir), max_model_len=128, max_num_seqs=1,
+              speculative_config=spec)
+    profile = loop_profile(llm, [[5, 6, 7, 5, 6]], SamplingParams(temperature=0.0, max_tokens=8))
+    calls = {row["function"]: row["launches"] for row in profile["launches_by_loop_call"]}
+    assert calls["models/llama.py:LlamaForCausalLM.__call__"] > 0
+    assert profile["launches_per_iteration"] >= sum(calls.values())
