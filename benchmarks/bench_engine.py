@@ -32,6 +32,7 @@ from benchmarks.common import (LLAMA31_8B, LLAMA32_1B, SMOKE_DRAFT, SMOKE_TARGET
                                draft_proposer, graph_with, kv_bytes_per_token, matmul_flops, median_time, out_dir,
                                print_table, random_model, weight_bytes, write_json)
 from benchmarks.device_trace import busy_ns, by_kernel, span_ns, traced_kernels
+from benchmarks.hlo_source import launches_per_iteration
 from specjax.config import SpeculativeConfig
 from specjax.engine.draft_tree import DraftTree
 from specjax.engine.loop import LoopSpec, jit_generate
@@ -400,7 +401,7 @@ def _loop_row(target: Subject, bandwidth, context, new_tokens, B, trace) -> dict
     (out_dir() / f"bench_engine_loop_hlo_b{B}.txt").write_text(hlo)
     row = dict(model=f"{cfg.num_layers}L-{cfg.hidden_size}", batch=B, context=context, new_tokens=new_tokens,
                ms_per_iteration=1e3 * per_iteration, floor_ms=1e3 * floor, roofline_frac=floor / per_iteration,
-               kernels_per_iteration=kernels_per_iteration(hlo),
+               kernels_per_iteration=sum(launches_per_iteration(hlo).values()),
                weight_shaped=dict(materialised_weights(hlo, weight_shapes(cfg))))
     if trace:
         row.update(profile_loop(generate_fn(target.graph, NoProposer(), compiler_options={}), calls[new_tokens],
@@ -423,14 +424,6 @@ def materialised_weights(hlo: str, shapes: set[str]) -> Counter:
         if shape in shapes and m.group(2) not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
             found[f"{m.group(2)} {shape}"] += 1
     return found
-
-
-def kernels_per_iteration(hlo: str) -> int:
-    """Kernel-launching instructions (fusions, custom calls, copies) in the generate loop's while body."""
-    body = re.findall(r"while\(.*body=%([\w.-]+)", hlo)[-1]
-    text = hlo[hlo.index(f"%{body} ("):]
-    text = text[:text.index("\n}\n")]
-    return len(re.findall(r" = \S+ (?:fusion|custom-call|copy)\(", text))
 
 
 def profile_loop(gen, args, iterations: int, name: str) -> dict:

@@ -69,7 +69,7 @@ def launches_per_iteration(hlo: str) -> collections.Counter:
     trip count (the generate loop; the body of the largest such loop), by instruction name: a nested loop's
     body counts its known trip count times (once where unknown), a conditional its costliest branch."""
     computations = _computations(hlo)
-    loops = [(body, computations[body].count("\n")) for _, body, config in _whiles(computations.values())
+    loops = [(body, computations[body].count("\n")) for body, config in _whiles(computations.values())
              if "known_trip_count" not in config]
     counts: collections.Counter = collections.Counter()
     if loops:
@@ -82,7 +82,7 @@ def _count(computations: dict[str, str], name: str, times: int, counts: collecti
     for instruction, kind in re.findall(r"^\s*(?:ROOT )?%?([\w.-]+) = \S+ ([\w-]+)\(", text, re.M):
         if kind in LAUNCHING:
             counts[instruction] += times
-    for _, body, config in _whiles([text]):
+    for body, config in _whiles([text]):
         trip = json.loads(config).get("known_trip_count", {}).get("n", 1) if config else 1
         _count(computations, body, times * int(trip), counts)
     for branches in re.findall(r"branch_computations=\{([^}]*)\}", text):
@@ -102,15 +102,13 @@ def _computations(hlo: str) -> dict[str, str]:
             re.findall(r"^(?:ENTRY )?%?([\w.-]+) \([^\n]*\{\n(.*?)^\}", hlo, re.M | re.S)}
 
 
-def _whiles(texts) -> list[tuple[str, str, str]]:
-    """(instruction, body computation, backend config or "") of each while loop in the texts."""
+def _whiles(texts) -> list[tuple[str, str]]:
+    """(body computation, backend config or "") of each while loop in the texts."""
     found = []
     for text in texts:
         for line in re.findall(r"^[^\n]* while\([^\n]*$", text, re.M):
-            name = re.match(r"\s*(?:ROOT )?%?([\w.-]+) =", line).group(1)
-            body = re.search(r"body=%?([\w.-]+)", line).group(1)
             config = re.search(r"backend_config=(\{.*\})", line)
-            found.append((name, body, config.group(1) if config else ""))
+            found.append((re.search(r"body=%?([\w.-]+)", line).group(1), config.group(1) if config else ""))
     return found
 
 

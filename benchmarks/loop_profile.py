@@ -29,9 +29,7 @@ def loop_profile(llm: LLM, prompt_ids: Sequence[list[int]], params: SamplingPara
     kernels = traced_kernels(lambda: outs.append(llm.generate(inputs, params, use_tqdm=False)))
     text = compiled_loop_text(llm, prompt_ids, params)
     stacks, launches = instruction_stacks(text), launches_per_iteration(text)
-    by_call = collections.Counter()
-    for instruction, times in launches.items():
-        by_call[charged_to(stacks.get(instruction, ()), LOOP_FILE)] += times
+    by_call = _charge(launches.items(), stacks, LOOP_FILE)
     profile = dict(launches_per_iteration=sum(launches.values()),
                    launches_by_loop_call=[dict(function=f, launches=n) for f, n in by_call.most_common(top)])
     if not kernels:
@@ -47,12 +45,17 @@ def loop_profile(llm: LLM, prompt_ids: Sequence[list[int]], params: SamplingPara
 def charged(kernels: list[Kernel], stacks: dict, per: int, caller: str | None, top: int) -> list[dict]:
     """Time (us) and kernel count per `per` charged to each function (hlo_source.charged_to), largest first;
     a kernel whose instruction the module does not name (a copy XLA added, a runtime's own) goes to "?"."""
-    time, count = collections.Counter(), collections.Counter()
-    for kernel in kernels:
-        function = charged_to(stacks.get(kernel.op, ()), caller)
-        time[function] += kernel.duration_ns
-        count[function] += 1
+    time = _charge(((k.op, k.duration_ns) for k in kernels), stacks, caller)
+    count = _charge(((k.op, 1) for k in kernels), stacks, caller)
     return [dict(function=f, us=ns / per / 1e3, kernels=count[f] / per) for f, ns in time.most_common(top)]
+
+
+def _charge(weighted, stacks: dict, caller: str | None) -> collections.Counter:
+    """The weights of (instruction, weight) pairs summed by the function each instruction is charged to."""
+    total = collections.Counter()
+    for instruction, weight in weighted:
+        total[charged_to(stacks.get(instruction, ()), caller)] += weight
+    return total
 
 
 def compiled_loop_text(llm: LLM, prompt_ids: Sequence[list[int]], params: SamplingParams) -> str:
