@@ -146,7 +146,8 @@ def test_only_stacks_whose_offsets_overflow_are_read_as_pairs():
             x, w, g, scale=s, block=(128, 128), config=GroupedMatmulConfig(pairs=False)), x, stack(256), sizes, scale)
     odd = jax.ShapeDtypeStruct((256, 2048, 7167), jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match="read as column pairs, so it needs an even number of columns, got 7167"):
-        jax.eval_shape(lambda x, w, g, s: grouped_matmul(x, w, g, scale=s, block=(128, 128)), x, odd, sizes, scale)
+        jax.eval_shape(lambda x, w, g, s: grouped_matmul_triton(x, w, g, scale=s, block=(128, 128)), x, odd, sizes,
+                       scale)
     with pytest.raises(ValueError, match="pairs=True needs a 1-byte stack"):
         grouped_matmul_triton(jnp.ones((2, 16)), jnp.ones((1, 16, 8)), jnp.asarray([2], jnp.int32),
                               config=GroupedMatmulConfig(pairs=True), interpret=True)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.kernels.grouped_matmul_reference import grouped_matmul_reference
-from specjax.kernels.grouped_matmul_triton import GroupedMatmulConfig, grouped_matmul_triton, needs_pairs
+from specjax.kernels.grouped_matmul_triton import GroupedMatmulConfig, grouped_matmul_triton
 from specjax.kernels.policy import KernelPolicy
 
 
@@ -38,9 +38,6 @@ def _check_inputs(x, w, group_sizes, scale, block) -> None:
     if w.dtype.itemsize == 1:
         if scale is None:
             raise ValueError("grouped_matmul: a 1-byte (FP8) stack needs its block scales: pass scale= and block=")
-        if w.shape[2] % 2 and needs_pairs(w):
-            raise ValueError(f"grouped_matmul: an FP8 stack of 2-4 GiB is read as column pairs, so it needs an even "
-                             f"number of columns, got {w.shape[2]}: split it into stacks of under 2 GiB")
     if scale is not None:
         expected = (w.shape[0], -(-w.shape[1] // block[0]), -(-w.shape[2] // block[1]))
         if scale.shape != expected:

@@ -148,6 +148,9 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
 def _read_as_pairs(w: jax.Array, config: GroupedMatmulConfig) -> bool:
     """config.pairs, or where offsets need them; a clear error where the choice cannot hold."""
     if config.pairs is None:
+        if needs_pairs(w) and w.shape[2] % 2:
+            raise ValueError(f"grouped_matmul: an FP8 stack of 2-4 GiB is read as column pairs, so it needs an even "
+                             f"number of columns, got {w.shape[2]}: split it into stacks of under 2 GiB")
         return needs_pairs(w)
     if config.pairs and (w.dtype.itemsize != 1 or w.shape[2] % 2 or config.block_n % 2):
         raise ValueError(f"GroupedMatmulConfig.pairs=True needs a 1-byte stack with an even number of columns and "
