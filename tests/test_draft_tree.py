@@ -78,10 +78,14 @@ def _oracle(q, k_cache, v_cache, layer, tree: DraftTree, start, scale, window):
     return out
 
 
-@pytest.mark.parametrize("window, config", [(0, None), (6, None), (0, KernelConfig(block_k=16, num_splits=2))])
-def test_tree_attention_kernel_and_reference_match_the_oracle(window, config):
+@pytest.mark.parametrize("window, config, N", [(0, None, 11), (6, None, 11),
+                                               (0, KernelConfig(block_k=16, num_splits=2), 11),
+                                               (0, None, 40), (0, KernelConfig(block_k=32), 70)])
+def test_tree_attention_kernel_and_reference_match_the_oracle(window, config, N):
+    """N nodes: the kernel's bit words for the visible nodes, one (11), two (40) and three padded to four (70)."""
     rng = np.random.default_rng(0)
-    B, N, Hq, Hkv, S, D = 2, 11, 4, 2, 48, 16
+    B, Hq, Hkv, D = 2, 4, 2, 16
+    S = 48 + 64 * (N > 11)
     tree = random_tree(rng, B, N, vocab=50)
     start = jnp.asarray([7, 20], jnp.int32)
     q = jnp.asarray(rng.standard_normal((B, N + 1, Hq, D)), jnp.float32)

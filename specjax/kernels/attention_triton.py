@@ -16,7 +16,10 @@ written anew for a stacked head-major cache):
 - loads past the last written slot are masked with a zero fill: garbage slots are
   never read, and interpret mode (which pads refs with NaN) stays exact;
 - a draft tree's pass (kernels/tree_mask.py) adds three inputs: each query's position (its window), the first
-  slot of the tree's nodes and, per query, the node slots it sees, read per block where it reaches them;
+  slot of the tree's nodes and, per query, the node slots it sees as a few words of bits, loaded once per program
+  and tested in every block by shifts (a gathered [rows, block] mask per block, and a second loop for the blocks
+  that reach the tree, had doubled the kernel's code and filled its registers: compiled for an H200, 255
+  registers with spills against the causal pass's 164-222, benchmarks/RESULTS.md);
 - a latent cache (MLA's absorbed form: one kv head whose first value_dim columns are also the values, v_cache None)
   is read once per block: the key columns in two power-of-two pieces ([0, value_dim) and the rest, 512 + 64 for
   DeepSeek), the first piece serving as the values.
@@ -162,7 +165,7 @@ def attention_triton(
     if tree is not None:
         in_specs += [pl.BlockSpec(), pl.BlockSpec(), pl.BlockSpec()]
         tree_inputs = (tree.positions.astype(jnp.int32), tree.region_start.astype(jnp.int32),
-                       tree.visible.astype(jnp.int32).reshape(batch * num_tokens, tree.region))
+                       visible_words(tree.visible).reshape(batch * num_tokens, -1))
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((flat_rows, out_dim), q.dtype)
         out_specs = pl.BlockSpec()
@@ -187,6 +190,15 @@ def attention_triton(
     return result.reshape(*q.shape[:-1], out_dim)
 
 
+def visible_words(visible: jax.Array) -> jax.Array:
+    """A tree's visible rows [..., R] as bit sets: int32 [..., W], bit j of word w set where node 32 w + j is
+    visible, W a power of two (a Triton tensor's length) of at least R / 32 words."""
+    words = _next_power_of_two(-(-visible.shape[-1] // 32))
+    padded = jnp.pad(visible, [(0, 0)] * (visible.ndim - 1) + [(0, 32 * words - visible.shape[-1])])
+    bits = padded.reshape(*visible.shape[:-1], words, 32).astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32)
+    return lax.bitcast_convert_type(bits.sum(axis=-1, dtype=jnp.uint32), jnp.int32)
+
+
 def _merge_splits(partial_out: jax.Array, partial_lse2: jax.Array) -> jax.Array:
     """Combine per-split normalized outputs [P,N,D] by their base-2 log-sum-exp [P,N]."""
     # Every row sees its own slot, which one split holds, so each row's max over the splits is finite.
@@ -202,12 +214,12 @@ def _attention_kernel(layer_ref, window_ref, start_ref, q_ref, k_ref, *refs,
                       precision: lax.Precision) -> None:
     """One (b, kv head, split, row tile): online softmax over this split's visible KV blocks. `refs` starts with
     the values' cache unless values_in_keys (then the first key piece's block is the values), then with a tree
-    (tree_region > 0) its positions, region start and visible rows."""
+    (tree_region > 0) its positions, region start and visible words."""
     v_ref = None
     if not values_in_keys:
         v_ref, *refs = refs
     if tree_region:
-        positions_ref, region_ref, tree_visible_ref, *refs = refs
+        positions_ref, region_ref, tree_words_ref, *refs = refs
     out_ref, lse_ref = refs if len(refs) == 2 else (refs[0], None)
     tile, b, h, split = (pl.program_id(axis) for axis in range(4))
     layer = layer_ref[...]
@@ -233,6 +245,9 @@ def _attention_kernel(layer_ref, window_ref, start_ref, q_ref, k_ref, *refs,
         row_first = _window_first(position + 1, window)
         region = region_ref[b]
         tile_first = jnp.min(jnp.where(real_row, row_first, tile_end))
+        # Each row's visible nodes as a few words of bits, loaded once: the blocks test bits, no loads.
+        words = [plt.load(tree_words_ref.at[b * num_tokens + safe_token, w], mask=real_row, other=0)
+                 for w in range(tree_words_ref.shape[1])]
     else:
         row_first = _window_first(row_end, window)
         # The tile's earliest row sees the earliest slots.
@@ -250,7 +265,7 @@ def _attention_kernel(layer_ref, window_ref, start_ref, q_ref, k_ref, *refs,
     scale2 = scale * _LOG2_E
     offsets = lax.broadcasted_iota(jnp.int32, (block_k,), 0)
 
-    def visit_block(index, carry, in_tree: bool):
+    def visit_block(index, carry):
         acc, row_max, row_sum = carry
         first = lo + index * block_k
         slots = first + offsets
@@ -262,13 +277,15 @@ def _attention_kernel(layer_ref, window_ref, start_ref, q_ref, k_ref, *refs,
         logits = sum(plt.dot(q_piece, k_piece, trans_b=True, precision=precision)
                      for q_piece, k_piece in zip(q, k)) * scale2
         visible = (slots[None, :] < row_end[:, None]) & (slots[None, :] >= row_first[:, None])
-        if in_tree:
-            offset = slots[None, :] - region
+        if tree_region:
+            offset = slots - region
             in_region = (offset >= 0) & (offset < tree_region)
             node = jnp.clip(offset, 0, tree_region - 1)
-            seen = plt.load(tree_visible_ref.at[(b * num_tokens + safe_token)[:, None], node],
-                            mask=in_region & real_row[:, None], other=0)
-            visible = (slots[None, :] < row_end[:, None]) & jnp.where(in_region, seen != 0, visible)
+            word = words[0][:, None]
+            for w in range(1, len(words)):
+                word = jnp.where(lax.shift_right_logical(node, 5)[None, :] == w, words[w][:, None], word)
+            seen = (lax.shift_right_logical(word, (node & 31)[None, :]) & 1) != 0
+            visible = (slots[None, :] < row_end[:, None]) & jnp.where(in_region[None, :], seen, visible)
         logits = jnp.where(visible, logits, -jnp.inf)
         new_max = jnp.maximum(row_max, logits.max(axis=1))
         rescale = jnp.exp2(row_max - new_max)
@@ -280,11 +297,7 @@ def _attention_kernel(layer_ref, window_ref, start_ref, q_ref, k_ref, *refs,
     carry = (jnp.zeros((rows_per_tile, columns.shape[1]), jnp.float32),
              jnp.full((rows_per_tile,), _MAX_INIT, jnp.float32),
              jnp.zeros((rows_per_tile,), jnp.float32))
-    # A tree's mask is read only in the blocks that reach its region: the prefix blocks before it run as plain.
-    plain_blocks = jnp.clip(lax.div(region - lo, block_k), 0, num_blocks) if tree_region else num_blocks
-    carry = lax.fori_loop(0, plain_blocks, functools.partial(visit_block, in_tree=False), carry)
-    if tree_region:
-        carry = lax.fori_loop(plain_blocks, num_blocks, functools.partial(visit_block, in_tree=True), carry)
+    carry = lax.fori_loop(0, num_blocks, visit_block, carry)
     acc, row_max, row_sum = carry
     has_mass = row_sum > 0
     safe_sum = jnp.where(has_mass, row_sum, 1.0)
