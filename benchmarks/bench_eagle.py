@@ -4,7 +4,7 @@ and n-gram speculation, greedy, on held-out GSM8K questions (the training runs' 
     PYTHONPATH=. python benchmarks/bench_eagle.py [--head HEAD_DIR (default: the shipped head)] [--num 32]
         [--mtp MTP_HEAD_DIR (default: the shipped MTP head; "" leaves MTP out)]
         [--max-tokens 256] [--batches 1,8] [--k 3] [--policy fixed|auto|fixed,auto] [--prompts FILE] [--dtype bfloat16]
-        [--chains 3,5] [--trees 16:4:5,32:4:6] [--methods ngram,eagle3,mtp] [--profile] [--smoke]
+        [--chains 3,5] [--trees 16:4:5,32:4:6] [--methods ngram,eagle3,mtp] [--profile] [--target h200] [--smoke]
 
 Prints a table (tokens/s, speedup over plain, acceptance length and per-position rates, same tokens as plain)
 and writes $OUT/bench_eagle.json (or benchmarks/results), rewritten after each engine (a run cut short keeps
@@ -16,7 +16,9 @@ between 0 and --k; the step times are measured in the untimed warm-up run), and 
 trees of those shapes. `--profile` also counts the launches one iteration of each engine's compiled loop runs,
 by what the engine loop called (drafting, the target's pass, acceptance, commit), and on a GPU traces one wave
 after the timed run: where an iteration's device time goes, by loop call and by innermost function
-(benchmarks/loop_profile.py); written to $OUT/bench_eagle_profile.json.
+(benchmarks/loop_profile.py); written to $OUT/bench_eagle_profile.json. `--target h200` runs nothing: it compiles
+each engine's loop for an H200 on this host (benchmarks/gpu_target.py says what that needs) and prints the
+launches per iteration a GPU would run, by loop call.
 """
 from __future__ import annotations
 
@@ -24,6 +26,9 @@ import argparse
 from pathlib import Path
 
 from benchmarks.common import print_table, reuse_compilations, time_llm, write_json
+from benchmarks.gpu_target import compiling_for, h200
+from benchmarks.loop_profile import compiled_loop_text, loop_launches
+from specjax import LLM, SamplingParams
 from specjax.default_model import default_eagle3_head_dir, default_model_dir, default_mtp_head_dir
 from specjax.hub import load_tokenizer
 from specjax.training import data as data_lib
@@ -49,6 +54,8 @@ def main(argv=None) -> None:
     parser.add_argument("--trees", default="", help="EAGLE-3 draft trees: comma-separated NODES:BRANCHING:DEPTH")
     parser.add_argument("--methods", default="ngram,eagle3,mtp", help="the speculative methods to run beside plain")
     parser.add_argument("--profile", action="store_true", help="each engine's launches (and GPU time) per iteration")
+    parser.add_argument("--target", choices=["h200"], help="compile each loop for this GPU here and count its "
+                        "launches per iteration; nothing runs")
     parser.add_argument("--smoke", action="store_true", help="2 questions, 8 tokens, batch 1: checks the script")
     args = parser.parse_args(argv)
     if args.profile:   # the profile compiles each loop again to read its stack frames: from this cache, a load
@@ -73,6 +80,8 @@ def main(argv=None) -> None:
                                   {**spec, "speculation_policy": policy})
                                  for policy in args.policy.split(",") for name, spec in drafters
                                  if spec["method"] in methods]
+    if args.target:
+        return _target_launches(model_dir, specs, prompt_ids, args)
     rows, profiles = [], []
     for batch in (int(b) for b in args.batches.split(",")):
         plain = None
@@ -94,6 +103,23 @@ def main(argv=None) -> None:
                 _print_profile(profiles[-1])
                 write_json("bench_eagle_profile", profiles)
     print_table(rows)
+
+
+def _target_launches(model_dir: Path, specs: list[tuple[str, dict | None]], prompt_ids: list[list[int]], args) -> None:
+    """Each engine's loop compiled for the --target GPU (no run): launches per iteration, by loop call."""
+    device = h200()
+    profiles = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        for name, spec in specs:
+            with compiling_for(device):
+                llm = LLM(str(model_dir), speculative_config=spec, max_model_len=1024, max_num_seqs=batch,
+                          dtype=args.dtype)
+                text = compiled_loop_text(llm, prompt_ids[:batch], SamplingParams(temperature=0.0,
+                                          max_tokens=args.max_tokens), device)
+            profiles.append(dict(engine=f"specjax {name}", batch=batch, target=args.target, **loop_launches(text)))
+            _print_profile(profiles[-1])
+            write_json("bench_eagle_target", profiles)
+    print_table([{k: p[k] for k in ("engine", "batch", "launches_per_iteration")} for p in profiles])
 
 
 def _print_profile(profile: dict) -> None:

@@ -11,7 +11,10 @@ from __future__ import annotations
 import collections
 from typing import Any, Sequence
 
+import jax
+
 from benchmarks.device_trace import Kernel, busy_ns, traced_kernels
+from benchmarks.gpu_target import compiled_for
 from benchmarks.hlo_source import charged_to, instruction_stacks, launches_per_iteration
 from specjax import LLM, SamplingParams
 from specjax.engine.runner import Request, _spec_key
@@ -28,18 +31,25 @@ def loop_profile(llm: LLM, prompt_ids: Sequence[list[int]], params: SamplingPara
     outs = []
     kernels = traced_kernels(lambda: outs.append(llm.generate(inputs, params, use_tqdm=False)))
     text = compiled_loop_text(llm, prompt_ids, params)
-    stacks, launches = instruction_stacks(text), launches_per_iteration(text)
-    by_call = _charge(launches.items(), stacks, LOOP_FILE)
-    profile = dict(launches_per_iteration=sum(launches.values()),
-                   launches_by_loop_call=[dict(function=f, launches=n) for f, n in by_call.most_common(top)])
+    profile = loop_launches(text, top)
     if not kernels:
         return profile
+    stacks = instruction_stacks(text)
     rows = [o.outputs[0] for o in outs[-1]]
     iterations = max(row.num_drafts or len(row.token_ids) for row in rows)
     return dict(profile, iterations=iterations, busy_us_per_iteration=busy_ns(kernels) / iterations / 1e3,
                 kernels_per_iteration=len(kernels) / iterations,
                 by_loop_call=charged(kernels, stacks, iterations, LOOP_FILE, top),
                 by_function=charged(kernels, stacks, iterations, None, top))
+
+
+def loop_launches(text: str, top: int = 20) -> dict[str, Any]:
+    """The launches one iteration of a compiled loop (its optimized HLO) runs, in all and by what the engine loop
+    called."""
+    launches = launches_per_iteration(text)
+    by_call = _charge(launches.items(), instruction_stacks(text), LOOP_FILE)
+    return dict(launches_per_iteration=sum(launches.values()),
+                launches_by_loop_call=[dict(function=f, launches=n) for f, n in by_call.most_common(top)])
 
 
 def charged(kernels: list[Kernel], stacks: dict, per: int, caller: str | None, top: int) -> list[dict]:
@@ -58,13 +68,17 @@ def _charge(weighted, stacks: dict, caller: str | None) -> collections.Counter:
     return total
 
 
-def compiled_loop_text(llm: LLM, prompt_ids: Sequence[list[int]], params: SamplingParams) -> str:
+def compiled_loop_text(llm: LLM, prompt_ids: Sequence[list[int]], params: SamplingParams,
+                       device: jax.Device | None = None) -> str:
     """The optimized HLO of the loop program one wave of these prompts runs (the engine's own, compiled again
-    from the same inputs)."""
+    from the same inputs); `device`: compiled for that device instead (gpu_target.py: an H200 on a host
+    without one; build the LLM under gpu_target.compiling_for(device))."""
     runner = llm._runner
     wave = [Request(list(ids), params, seed_index=i) for i, ids in enumerate(prompt_ids)]
     prompts, lengths, rows, cache_len = runner._pack(wave)
     key = _spec_key(wave, rows, runner.vocab_size)
     policy = runner._policy_inputs(None, key, rows, lengths, cache_len)   # stored by the calls before
-    return runner.generate_fn(*key).lower(runner.target_state, runner.draft_state, prompts, lengths, rows, cache_len,
-                                          runner.synthetic_rates, policy).compile().as_text()
+    args = (runner.target_state, runner.draft_state, prompts, lengths, rows, cache_len, runner.synthetic_rates, policy)
+    if device is not None:
+        return compiled_for(runner.generate_fn(*key), args, device).as_text()
+    return runner.generate_fn(*key).lower(*args).compile().as_text()
