@@ -18,7 +18,7 @@ by what the engine loop called (drafting, the target's pass, acceptance, commit)
 after the timed run: where an iteration's device time goes, by loop call and by innermost function
 (benchmarks/loop_profile.py); written to $OUT/bench_eagle_profile.json. `--target h200` runs nothing: it compiles
 each engine's loop for an H200 on this host (benchmarks/gpu_target.py says what that needs) and prints the
-launches per iteration a GPU would run, by loop call.
+launches per iteration a GPU would run, by loop call, and the memory its temporaries take.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from benchmarks.common import print_table, reuse_compilations, time_llm, write_json
 from benchmarks.gpu_target import compiling_for, h200
-from benchmarks.loop_profile import compiled_loop_text, loop_launches
+from benchmarks.loop_profile import compiled_loop, loop_launches
 from specjax import LLM, SamplingParams
 from specjax.default_model import default_eagle3_head_dir, default_model_dir, default_mtp_head_dir
 from specjax.hub import load_tokenizer
@@ -106,7 +106,8 @@ def main(argv=None) -> None:
 
 
 def _target_launches(model_dir: Path, specs: list[tuple[str, dict | None]], prompt_ids: list[list[int]], args) -> None:
-    """Each engine's loop compiled for the --target GPU (no run): launches per iteration, by loop call."""
+    """Each engine's loop compiled for the --target GPU (no run): launches per iteration, by loop call, and the
+    device memory its buffers need beyond arguments and outputs (temp_bytes)."""
     device = h200()
     profiles = []
     for batch in (int(b) for b in args.batches.split(",")):
@@ -114,12 +115,14 @@ def _target_launches(model_dir: Path, specs: list[tuple[str, dict | None]], prom
             with compiling_for(device):
                 llm = LLM(str(model_dir), speculative_config=spec, max_model_len=1024, max_num_seqs=batch,
                           dtype=args.dtype)
-                text = compiled_loop_text(llm, prompt_ids[:batch], SamplingParams(temperature=0.0,
-                                          max_tokens=args.max_tokens), device)
-            profiles.append(dict(engine=f"specjax {name}", batch=batch, target=args.target, **loop_launches(text)))
+                compiled = compiled_loop(llm, prompt_ids[:batch], SamplingParams(temperature=0.0,
+                                         max_tokens=args.max_tokens), device)
+            profiles.append(dict(engine=f"specjax {name}", batch=batch, target=args.target,
+                                 temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
+                                 **loop_launches(compiled.as_text())))
             _print_profile(profiles[-1])
             write_json("bench_eagle_target", profiles)
-    print_table([{k: p[k] for k in ("engine", "batch", "launches_per_iteration")} for p in profiles])
+    print_table([{k: p[k] for k in ("engine", "batch", "launches_per_iteration", "temp_bytes")} for p in profiles])
 
 
 def _print_profile(profile: dict) -> None:

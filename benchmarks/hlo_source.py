@@ -66,15 +66,34 @@ LAUNCHING = ("fusion", "custom-call", "copy", "sort", "dot", "scatter", "gather"
 
 def launches_per_iteration(hlo: str) -> collections.Counter:
     """How often each launching instruction runs in one iteration of the module's outermost loop of unknown
-    trip count (the generate loop; the body of the largest such loop), by instruction name: a nested loop's
-    body counts its known trip count times (once where unknown), a conditional its costliest branch."""
+    trip count (the generate loop: of several such loops outside any loop, the largest), by instruction name: a
+    nested loop's body counts its known trip count times (once where unknown: an adaptive loop's iteration counts
+    one step of every tier's segment, though one tier runs), a conditional its costliest branch."""
     computations = _computations(hlo)
-    loops = [(body, computations[body].count("\n")) for body, config in _whiles(computations.values())
+    entry = re.search(r"^ENTRY %?([\w.-]+) ", hlo, re.M).group(1)
+    loops = [(body, computations[body].count("\n")) for body, config in _outermost_whiles(computations, entry)
              if "known_trip_count" not in config]
     counts: collections.Counter = collections.Counter()
     if loops:
         _count(computations, max(loops, key=lambda loop: loop[1])[0], 1, counts)
     return counts
+
+
+def _outermost_whiles(computations: dict[str, str], entry: str) -> list[tuple[str, str]]:
+    """The while loops (body, backend config) that run outside any loop: in `entry` or what it calls, branches
+    included."""
+    found, pending, seen = [], [entry], set()
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        text = computations[name]
+        found += _whiles([text])
+        for branches in re.findall(r"branch_computations=\{([^}]*)\}", text):
+            pending += re.findall(r"%?([\w.-]+)", branches)
+        pending += re.findall(r" call\([^\n]*to_apply=%?([\w.-]+)", text)
+    return found
 
 
 def _count(computations: dict[str, str], name: str, times: int, counts: collections.Counter) -> None:

@@ -12,11 +12,13 @@ import collections
 from typing import Any, Sequence
 
 import jax
+import numpy as np
 
 from benchmarks.device_trace import Kernel, busy_ns, traced_kernels
 from benchmarks.gpu_target import compiled_for
 from benchmarks.hlo_source import charged_to, instruction_stacks, launches_per_iteration
 from specjax import LLM, SamplingParams
+from specjax.engine.adaptive import policy_inputs
 from specjax.engine.runner import Request, _spec_key
 
 LOOP_FILE = "engine/loop.py"
@@ -30,7 +32,7 @@ def loop_profile(llm: LLM, prompt_ids: Sequence[list[int]], params: SamplingPara
     inputs = [{"prompt_token_ids": ids} for ids in prompt_ids]
     outs = []
     kernels = traced_kernels(lambda: outs.append(llm.generate(inputs, params, use_tqdm=False)))
-    text = compiled_loop_text(llm, prompt_ids, params)
+    text = compiled_loop(llm, prompt_ids, params).as_text()
     profile = loop_launches(text, top)
     if not kernels:
         return profile
@@ -68,17 +70,20 @@ def _charge(weighted, stacks: dict, caller: str | None) -> collections.Counter:
     return total
 
 
-def compiled_loop_text(llm: LLM, prompt_ids: Sequence[list[int]], params: SamplingParams,
-                       device: jax.Device | None = None) -> str:
-    """The optimized HLO of the loop program one wave of these prompts runs (the engine's own, compiled again
-    from the same inputs); `device`: compiled for that device instead (gpu_target.py: an H200 on a host
-    without one; build the LLM under gpu_target.compiling_for(device))."""
+def compiled_loop(llm: LLM, prompt_ids: Sequence[list[int]], params: SamplingParams,
+                  device: jax.Device | None = None) -> jax.stages.Compiled:
+    """The loop program one wave of these prompts runs, compiled again from the same inputs; `device`: compiled
+    for that device instead (gpu_target.py: an H200 on a host without one; build the LLM under
+    gpu_target.compiling_for(device))."""
     runner = llm._runner
     wave = [Request(list(ids), params, seed_index=i) for i, ids in enumerate(prompt_ids)]
     prompts, lengths, rows, cache_len = runner._pack(wave)
     key = _spec_key(wave, rows, runner.vocab_size)
-    policy = runner._policy_inputs(None, key, rows, lengths, cache_len)   # stored by the calls before
+    if device is not None and runner.policy is not None:   # traced step costs: any serve, and nothing runs there
+        policy = policy_inputs(np.ones(len(runner.policy.tiers), np.float32))
+    else:
+        policy = runner._policy_inputs(None, key, rows, lengths, cache_len)   # stored by the calls before
     args = (runner.target_state, runner.draft_state, prompts, lengths, rows, cache_len, runner.synthetic_rates, policy)
     if device is not None:
-        return compiled_for(runner.generate_fn(*key), args, device).as_text()
-    return runner.generate_fn(*key).lower(*args).compile().as_text()
+        return compiled_for(runner.generate_fn(*key), args, device)
+    return runner.generate_fn(*key).lower(*args).compile()

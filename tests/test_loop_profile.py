@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks.device_trace import Kernel
 from benchmarks.hlo_source import Frame, charged_to, instruction_stacks, launches_per_iteration
-from benchmarks.loop_profile import LOOP_FILE, charged, compiled_loop_text, loop_profile
+from benchmarks.loop_profile import LOOP_FILE, charged, compiled_loop, loop_profile
 from specjax import LLM, SamplingParams
 
 
@@ -35,7 +35,7 @@ def test_the_compiled_loop_names_who_made_each_instruction(tiny_dir, default_mod
               speculative_config=spec)
     prompts, params = [[5, 6, 7, 5, 6], [9, 8, 9, 8]], SamplingParams(temperature=0.0, max_tokens=8)
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    text = compiled_loop_text(llm, prompts, params)
+    text = compiled_loop(llm, prompts, params).as_text()
     stacks = instruction_stacks(text)
     fusions = re.findall(r"^\s*(?:ROOT )?%?([\w.-]+) = \S+ fusion\(", text, re.M)
     assert fusions and sum(name in stacks for name in fusions) >= 0.9 * len(fusions)
@@ -68,6 +68,34 @@ def test_a_nested_loop_launches_its_body_trip_count_times():
     for instruction, times in launches_per_iteration(text).items():
         by_line[stacks[instruction][0].line if stacks.get(instruction) else None] += times
     assert by_line[inner_line] == 3 * by_line[inner_line + 1] > 0
+
+
+def test_the_outermost_loop_is_the_one_counted_even_where_an_inner_one_is_larger():
+    """Segments of steps, each an inner loop of unknown length (behind a switch here); the count is the outer
+    loop's iteration (its costliest branch's segment counted once), not a segment's."""
+    import jax
+    import jax.numpy as jnp
+
+    def f(x, w, n):
+        def segment(depth):
+            def step(c):
+                j, y = c
+                for _ in range(depth):
+                    y = jnp.tanh(y @ w) + 1.0
+                return j + 1, y
+            return lambda y: jax.lax.while_loop(lambda c: c[0] < n, step, (0, y))[1]
+
+        def body(c):
+            i, x = c
+            x = jnp.sin(x @ w)
+            return i + 1, jax.lax.switch(i % 2, [segment(1), segment(6)], x)
+        return jax.lax.while_loop(lambda c: c[0] < n, body, (0, x))[1]
+
+    outer_line = f.__code__.co_firstlineno + 11
+    text = jax.jit(f).lower(jnp.ones((4, 8)), jnp.ones((8, 8)), 5).compile().as_text()
+    stacks = instruction_stacks(text)
+    lines = {stacks[i][0].line for i in launches_per_iteration(text) if stacks.get(i)}
+    assert outer_line in lines
 
 
 def test_the_profile_counts_launches_by_what_the_loop_called(tiny_dir, default_model_dir):

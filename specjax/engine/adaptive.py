@@ -22,8 +22,8 @@ import jax.numpy as jnp
 
 from specjax.config.speculation_policy import PROBE_EVERY, PROBE_MAX, SpeculationPolicy
 
-# Iterations per choice: each choice costs a copy of the KV caches (loop.py says why); at SEGMENT = 8 that copy
-# is an eighth of one per step. PROBE_EVERY is a multiple, so probes fall on segment starts.
+# Iterations per choice: each choice costs the choice's own work and one predicate per tier (loop.py), an eighth
+# of it per step at SEGMENT = 8. PROBE_EVERY is a multiple, so probes fall on segment starts.
 SEGMENT = 8
 # Weight of the newest step in the running acceptance (about the last 1 / EMA_WEIGHT steps count).
 EMA_WEIGHT = 0.25

@@ -193,9 +193,10 @@ def _init_adapt(spec: LoopSpec, record_len: int, policy: PolicyInputs | None):
 
 def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, synthetic_rates, running):
     """The loop body: one step of a fixed k; or (adaptive) a segment of up to SEGMENT steps of the tier chosen
-    at its start, every tier's segment behind one lax.switch. A conditional copies the buffers its branch
-    updates (XLA aliases no conditional operand with its result), the KV caches among them, so the choice is
-    made once a segment rather than every step."""
+    at its start: every tier's segment is a while loop of its own, one after the other, and only the chosen
+    one's condition holds. A while loop updates its carry in place, so a tier that does not run costs one
+    predicate; a lax.switch over the tiers copied every buffer its branches update, the KV caches among them,
+    at each choice (benchmarks/RESULTS.md, "Compiling for an H200 without one")."""
     policy = spec.policy
     if policy is None:
         if proposer.tree is not None:
@@ -220,9 +221,9 @@ def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
                            state.counters.num_accepted - before.num_accepted, active)
             return dataclasses.replace(state, adapt=adapt)
 
-        def run(state: LoopState) -> LoopState:
+        def run(state: LoopState, chosen: jax.Array) -> LoopState:
             end = state.steps + SEGMENT
-            return jax.lax.while_loop(lambda s: running(s) & (s.steps < end), recorded_step, state)
+            return jax.lax.while_loop(lambda s: chosen & running(s) & (s.steps < end), recorded_step, state)
 
         return run
 
@@ -230,7 +231,10 @@ def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
 
     def body(state: LoopState) -> LoopState:
         tier, adapt = choose_tier(state.adapt, jnp.sum(~state.done).astype(jnp.int32), policy)
-        return jax.lax.switch(tier, segments, dataclasses.replace(state, adapt=adapt))
+        state = dataclasses.replace(state, adapt=adapt)
+        for index, run in enumerate(segments):
+            state = run(state, tier == index)
+        return state
 
     return body
 
