@@ -1,8 +1,8 @@
 """Adaptive speculation on the device: which compiled k tier the next loop iterations run, and the statistics
 that choice reads (running per-position acceptance, and a record of each iteration's k and live rows).
 
-The tiers are one `lax.switch` in the loop body (loop.py), each branch a segment of up to SEGMENT iterations of
-its k; k = 0 is a plain decode step. "auto" scores a tier k
+Each tier is a while loop in the loop body (loop.py), a segment of up to SEGMENT iterations of its k that runs
+when chosen; k = 0 is a plain decode step. "auto" scores a tier k
 by the tokens a row expects from it, 1 + sum_{i<k} prod_{j<=i} a_j with a_j the running conditional acceptance
 at draft position j, over the tier's step time, and takes the best. Dead rows cost as much as live ones in a
 compiled batch, so the step times are per compiled shape and the live count enters through the statistics.
