@@ -9,19 +9,22 @@ the batch selects (counted by routing random hidden states through each MoE laye
 cache, over the copy bandwidth measured in the same process.
 
     PYTHONPATH=. python benchmarks/bench_deepseek.py [--suites v3_step,v2_e2e,mtp,v2_transformers] [--smoke]
-        [--forms kernel,xla,fp8_rows] [--batches B ...] [--profile]
+        [--forms kernel,xla,fp8_rows] [--batches B ...] [--profile] [--target h200]
 
 (--forms: which forms v3_step and v2_e2e time: the grouped matmul kernel, XLA's with it off, the kernel on FP8 rows
 (fp8_rows); default kernel,xla. --profile: v3_step also traces 5 steps of the kernel form at each batch, v2_e2e
 its plain loops, and writes where the device time goes, per kernel kind.)
 
-(v2_transformers, transformers' own V2-Lite as the peer, runs in a child process first.)
+(v2_transformers, transformers' own V2-Lite as the peer, runs in a child process first. --target h200 runs
+nothing: it compiles v3_step's kernel form for an H200 on this host, from shapes alone (no weights are made), and
+prints the launches of a step by the function that made them; benchmarks/gpu_target.py says what that needs.)
 
 Writes $OUT/bench_deepseek_<suite>.json and prints each row as it comes.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import subprocess
 import sys
@@ -32,9 +35,11 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.bench_engine import (SMOKE_SIZES, Sizes, acceptance_sweep, head_step_time, plain_times,
-                                     run_plain, step_time, stepper, subject)
+                                     run_plain, step_fn, step_time, stepper, subject)
 from benchmarks.common import copy_bandwidth, print_table, write_json
 from benchmarks.device_trace import busy_ns, by_kernel, traced_kernels
+from benchmarks.gpu_target import compiled_for, compiling_for, h200
+from benchmarks.hlo_source import charged_to, instruction_stacks, launches_per_call
 from specjax.engine.proposers.eagle import HeadProposer
 from specjax.kernels.policy import KernelPolicy
 from specjax.models.deepseek import FAMILY, DeepseekConfig
@@ -161,6 +166,28 @@ def v3_step_suite(bandwidth: float, smoke: bool, batches: tuple[int, ...], forms
     return rows
 
 
+def v3_step_launches(batches: tuple[int, ...], smoke: bool) -> list[dict]:
+    """V3's 4-layer FP8 decode step (the kernel form) compiled for an H200 here, from shapes: launches per step,
+    in all and by the innermost function that made them."""
+    cfg = config(V3_4_LAYERS, smoke)
+    device = h200()
+    rows = []
+    with compiling_for(device):
+        graph, state = nnx.split(nnx.eval_shape(lambda: FAMILY.random(cfg, dtype=jnp.bfloat16)))
+        for B in batches:
+            cache = jax.eval_shape(lambda s: nnx.merge(graph, s).init_cache(B, CONTEXT + 1), state)
+            text = compiled_for(step_fn(graph), (state, cache, jax.ShapeDtypeStruct((B, 1), jnp.int32),
+                                                 jax.ShapeDtypeStruct((B,), jnp.int32)), device).as_text()
+            stacks, launches = instruction_stacks(text), launches_per_call(text)
+            by_function = collections.Counter()
+            for instruction, n in launches.items():
+                by_function[charged_to(stacks.get(instruction, ()))] += n
+            rows.append(dict(shape="v3_4layers_fp8", batch=B, target="h200", launches=sum(launches.values()),
+                             by_function=dict(by_function.most_common())))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def step_profile(model, B: int, steps: int = 5) -> dict:
     """Where `steps` decode steps at CONTEXT (rows of distinct tokens) spend their device time, per step."""
     kernels = traced_kernels(stepper(model, B, 1, CONTEXT, distinct_tokens=True, steps=steps))
@@ -282,9 +309,17 @@ def main(argv=None) -> None:
                         "for the V2-Lite suites; --smoke: 1)")
     parser.add_argument("--profile", action="store_true", help="trace the kernel form's steps (v3_step) or loops "
                         "(v2_e2e) too")
+    parser.add_argument("--target", choices=["h200"], help="compile v3_step for this GPU here and count its "
+                        "launches; nothing runs")
     args = parser.parse_args(argv)
+
     def batches(default: tuple[int, ...]) -> tuple[int, ...]:
         return (1,) if args.smoke else tuple(args.batches or default)
+    if args.target:
+        rows = v3_step_launches(batches(V3_BATCHES), args.smoke)
+        print_table([{k: r[k] for k in ("shape", "batch", "launches")} for r in rows])
+        write_json("bench_deepseek_v3_target", rows)
+        return
     forms = tuple(args.forms.split(","))
     if not set(forms) <= set(FORMS):
         raise SystemExit(f"--forms: {args.forms!r}; choose from {', '.join(FORMS)}")

@@ -103,11 +103,12 @@ def compiling_for(device: jax.Device) -> Iterator[None]:
 
 
 def on_device(tree: Any, device: jax.Device) -> Any:
-    """Arrays of `tree` as shapes placed on `device` (what a lowering onto it takes); other leaves as they are."""
+    """Arrays (and shapes, as jax.eval_shape gives them) of `tree` as shapes placed on `device`, what a lowering
+    onto it takes; other leaves as they are."""
     placed = jax.sharding.SingleDeviceSharding(device)
 
     def shape(leaf):
-        if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        if isinstance(leaf, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)):
             return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=placed)
         return leaf
 

@@ -79,6 +79,15 @@ def launches_per_iteration(hlo: str) -> collections.Counter:
     return counts
 
 
+def launches_per_call(hlo: str) -> collections.Counter:
+    """How often each launching instruction runs in one call of the module (a step, not a loop): loops of known
+    trip count times it, of unknown once, conditionals their costliest branch."""
+    computations = _computations(hlo)
+    counts: collections.Counter = collections.Counter()
+    _count(computations, re.search(r"^ENTRY %?([\w.-]+) ", hlo, re.M).group(1), 1, counts)
+    return counts
+
+
 def _outermost_whiles(computations: dict[str, str], entry: str) -> list[tuple[str, str]]:
     """The while loops (body, backend config) that run outside any loop: in `entry` or what it calls, branches
     included."""

@@ -50,3 +50,11 @@ def test_the_loops_compile_speculation_leaves_the_targets_pass_as_it_is_and_adap
     # Choosing a tier copies no buffer: a switch over the tiers had copied the KV caches (temporaries +39%).
     for name in ("eagle3 k=3", "eagle3 tree 4:2:2"):
         assert profiles[f"specjax {name} auto"]["temp_bytes"] <= 1.01 * profiles[f"specjax {name}"]["temp_bytes"]
+
+
+def test_deepseek_v3s_fp8_step_compiles_with_its_projections_in_the_grouped_kernel(tmp_path):
+    run_for_h200(tmp_path, "benchmarks/bench_deepseek.py", "--target", "h200", "--smoke")
+    (row,) = json.loads((tmp_path / "bench_deepseek_v3_target.json").read_text())["rows"]
+    kernel = row["by_function"].get("kernels/grouped_matmul_triton.py:grouped_matmul_triton", 0)
+    # Per layer at least q_a, q_b, kv_a and o (the FP8 matrices below a scale block's rows), and the experts.
+    assert kernel >= 4 * 2, row
