@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import functools
 import glob
+import importlib.util
 import re
 import subprocess
 import tempfile
@@ -67,7 +68,6 @@ device_description_str: "NVIDIA H200"
 
 def missing() -> str | None:
     """What this host lacks to compile for a GPU (the CUDA plugin, ptxas), or None."""
-    import importlib.util
     if importlib.util.find_spec("jax_plugins") is None or not any(
             importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (13, 12)):
         return "no CUDA plugin for jax: pip install -e \".[gpu-compile]\""
@@ -159,7 +159,7 @@ def _assembled(ptx: Path) -> tuple[int, int]:
 
 @functools.cache
 def _ptxas() -> str:
-    import importlib.util
+    """The ptxas of the nvidia-cuda-nvcc wheel."""
     spec = importlib.util.find_spec("nvidia")
     roots = spec.submodule_search_locations if spec else []
     found = [p for root in roots for p in glob.glob(f"{root}/cu*/bin/ptxas")]
