@@ -2,11 +2,12 @@
 its first 512 columns), the Pallas kernel against XLA's reference, in GB/s of latent rows read over the copy
 bandwidth measured in the same process (FlashMLA's published anchor: ~3000 GB/s on an H800).
 
-Heads: 128 (DeepSeek-V3 on one device) and 16 (V2-Lite, or V3 over 8 devices); context 4k-32k, batch 8-64, T = 1.
+Heads: 128 (DeepSeek-V3 on one device) and 16 (V2-Lite, or V3 over 8 devices); context 4k-32k, batch 8-64, T = 1
+query tokens per row (`--tokens 4`: a verify pass of k = 3 drafts, as MTP runs it).
 Each timed call reads a different layer of a cache of several layers (more bytes than the 50 MB L2), and the device
 time comes from a profiler trace. `--sweep` times launch parameters at a few shapes.
 
-    PYTHONPATH=. python benchmarks/bench_latent_attention.py [--sweep] [--smoke]
+    PYTHONPATH=. python benchmarks/bench_latent_attention.py [--tokens T] [--sweep] [--smoke]
 
 Writes $OUT/bench_latent_attention.json (and bench_latent_attention_sweep.json) and prints each row as it comes.
 """
@@ -40,11 +41,12 @@ def cache_layers(batch: int, context: int, smoke: bool) -> int:
     return 2 if smoke else int(min(16, max(2, math.ceil(ROTATION_BYTES / (batch * context * WIDTH * 2)))))
 
 
-def inputs(heads: int, batch: int, context: int, layers: int):
+def inputs(heads: int, batch: int, context: int, layers: int, tokens: int):
+    """Queries [batch, tokens, heads, 576] whose last sees the whole context, a cache of `layers` layers."""
     key = jax.random.key(batch * 7919 + context + heads)
-    q = jax.random.normal(key, (batch, 1, heads, WIDTH), jnp.bfloat16)
+    q = jax.random.normal(key, (batch, tokens, heads, WIDTH), jnp.bfloat16)
     cache = jax.random.normal(jax.random.fold_in(key, 1), (layers, batch, 1, context, WIDTH), jnp.bfloat16)
-    return q, cache, jnp.full((batch,), context - 1, jnp.int32)
+    return q, cache, jnp.full((batch,), context - tokens, jnp.int32)
 
 
 def device_ms(fn, q, cache, start, layers: int) -> float:
@@ -66,19 +68,20 @@ def reference_fn(q, cache, layer, start):
     return attention_reference(q, cache, None, layer, start, scale=(128 + ROPE) ** -0.5, value_dim=RANK)
 
 
-def form_rows(shapes: dict, bandwidth: float, smoke: bool) -> list[dict]:
+def form_rows(shapes: dict, bandwidth: float, smoke: bool, tokens: int) -> list[dict]:
     interpret = interpret_kernels()
     rows = []
     for heads, cases in shapes.items():
         for batch, context in cases:
             layers = cache_layers(batch, context, smoke)
-            q, cache, start = inputs(heads, batch, context, layers)
+            q, cache, start = inputs(heads, batch, context, layers, tokens)
             read_gb = batch * context * WIDTH * 2 / 1e9
             want = jax.jit(reference_fn)(q, cache, 0, start)
             config = default_config(q.shape, cache.shape, value_dim=RANK)
             for form, fn in (("kernel", kernel_fn(None, interpret)), ("xla", reference_fn)):
                 ms = device_ms(fn, q, cache, start, layers)
-                row = dict(heads=heads, batch=batch, context=context, form=form, ms=ms, GBps=read_gb / ms * 1e3,
+                row = dict(heads=heads, batch=batch, context=context, tokens=tokens, form=form, ms=ms,
+                           GBps=read_gb / ms * 1e3,
                            of_copy=read_gb / ms * 1e12 / bandwidth,
                            rel_err=relative_error(jax.jit(fn)(q, cache, 0, start), want))
                 if form == "kernel":
@@ -90,12 +93,12 @@ def form_rows(shapes: dict, bandwidth: float, smoke: bool) -> list[dict]:
     return rows
 
 
-def sweep_rows(shapes, bandwidth: float, smoke: bool) -> list[dict]:
+def sweep_rows(shapes, bandwidth: float, smoke: bool, tokens: int) -> list[dict]:
     interpret = interpret_kernels()
     rows = []
     for heads, batch, context in shapes:
         layers = cache_layers(batch, context, smoke)
-        q, cache, start = inputs(heads, batch, context, layers)
+        q, cache, start = inputs(heads, batch, context, layers, tokens)
         read_gb = batch * context * WIDTH * 2 / 1e9
         splits = default_config(q.shape, cache.shape, value_dim=RANK).num_splits
         for values in itertools.product(*SWEEP.values()):
@@ -105,8 +108,8 @@ def sweep_rows(shapes, bandwidth: float, smoke: bool) -> list[dict]:
             except Exception as error:  # a variant needing more shared memory or registers than the SM has
                 print(f"{config}: failed: {str(error)[:160]}", flush=True)
                 continue
-            row = dict(heads=heads, batch=batch, context=context, **dict(zip(SWEEP, values)), splits=splits, ms=ms,
-                       GBps=read_gb / ms * 1e3, of_copy=read_gb / ms * 1e12 / bandwidth)
+            row = dict(heads=heads, batch=batch, context=context, tokens=tokens, **dict(zip(SWEEP, values)),
+                       splits=splits, ms=ms, GBps=read_gb / ms * 1e3, of_copy=read_gb / ms * 1e12 / bandwidth)
             rows.append(row)
             print_table([row])
     return rows
@@ -115,15 +118,17 @@ def sweep_rows(shapes, bandwidth: float, smoke: bool) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="also time the kernel's launch parameters")
+    parser.add_argument("--tokens", type=int, default=1, help="query tokens per row (a verify pass: k + 1)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script")
     args = parser.parse_args()
     bandwidth = copy_bandwidth(64 << 20 if args.smoke else 2 << 30)
     print(f"{jax.devices()[0].device_kind}: copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
     print("wrote", write_json("bench_latent_attention", form_rows(SMOKE_SHAPES if args.smoke else SHAPES, bandwidth,
-                                                                  args.smoke)))
+                                                                  args.smoke, args.tokens)))
     if args.sweep:
         shapes = ((4, 2, 64),) if args.smoke else SWEEP_SHAPES
-        print("wrote", write_json("bench_latent_attention_sweep", sweep_rows(shapes, bandwidth, args.smoke)))
+        print("wrote", write_json("bench_latent_attention_sweep", sweep_rows(shapes, bandwidth, args.smoke,
+                                                                             args.tokens)))
 
 
 if __name__ == "__main__":
