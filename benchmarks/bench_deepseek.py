@@ -24,7 +24,6 @@ Writes $OUT/bench_deepseek_<suite>.json and prints each row as it comes.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import subprocess
 import sys
@@ -39,7 +38,7 @@ from benchmarks.bench_engine import (SMOKE_SIZES, Sizes, acceptance_sweep, head_
 from benchmarks.common import copy_bandwidth, print_table, write_json
 from benchmarks.device_trace import busy_ns, by_kernel, traced_kernels
 from benchmarks.gpu_target import compiled_for, compiling_for, h200
-from benchmarks.hlo_source import charged_to, instruction_stacks, launches_per_call
+from benchmarks.hlo_source import charged_weights, instruction_stacks, launches_per_call
 from specjax.engine.proposers.eagle import HeadProposer
 from specjax.kernels.policy import KernelPolicy
 from specjax.models.deepseek import FAMILY, DeepseekConfig
@@ -178,10 +177,8 @@ def v3_step_launches(batches: tuple[int, ...], smoke: bool) -> list[dict]:
             cache = jax.eval_shape(lambda s: nnx.merge(graph, s).init_cache(B, CONTEXT + 1), state)
             text = compiled_for(step_fn(graph), (state, cache, jax.ShapeDtypeStruct((B, 1), jnp.int32),
                                                  jax.ShapeDtypeStruct((B,), jnp.int32)), device).as_text()
-            stacks, launches = instruction_stacks(text), launches_per_call(text)
-            by_function = collections.Counter()
-            for instruction, n in launches.items():
-                by_function[charged_to(stacks.get(instruction, ()))] += n
+            launches = launches_per_call(text)
+            by_function = charged_weights(launches.items(), instruction_stacks(text))
             rows.append(dict(shape="v3_4layers_fp8", batch=B, target="h200", launches=sum(launches.values()),
                              by_function=dict(by_function.most_common())))
             print(rows[-1], flush=True)

@@ -70,8 +70,7 @@ def launches_per_iteration(hlo: str) -> collections.Counter:
     nested loop's body counts its known trip count times (once where unknown: an adaptive loop's iteration counts
     one step of every tier's segment, though one tier runs), a conditional its costliest branch."""
     computations = _computations(hlo)
-    entry = re.search(r"^ENTRY %?([\w.-]+) ", hlo, re.M).group(1)
-    loops = [(body, computations[body].count("\n")) for body, config in _outermost_whiles(computations, entry)
+    loops = [(body, computations[body].count("\n")) for body, config in _outermost_whiles(computations, _entry(hlo))
              if "known_trip_count" not in config]
     counts: collections.Counter = collections.Counter()
     if loops:
@@ -84,8 +83,17 @@ def launches_per_call(hlo: str) -> collections.Counter:
     trip count times it, of unknown once, conditionals their costliest branch."""
     computations = _computations(hlo)
     counts: collections.Counter = collections.Counter()
-    _count(computations, re.search(r"^ENTRY %?([\w.-]+) ", hlo, re.M).group(1), 1, counts)
+    _count(computations, _entry(hlo), 1, counts)
     return counts
+
+
+def charged_weights(weighted, stacks: dict, caller: str | None = None) -> collections.Counter:
+    """The weights of (instruction, weight) pairs (launches, kernel times) summed by the function each instruction
+    is charged to (charged_to)."""
+    total = collections.Counter()
+    for instruction, weight in weighted:
+        total[charged_to(stacks.get(instruction, ()), caller)] += weight
+    return total
 
 
 def _outermost_whiles(computations: dict[str, str], entry: str) -> list[tuple[str, str]]:
@@ -99,9 +107,7 @@ def _outermost_whiles(computations: dict[str, str], entry: str) -> list[tuple[st
         seen.add(name)
         text = computations[name]
         found += _whiles([text])
-        for branches in re.findall(r"branch_computations=\{([^}]*)\}", text):
-            pending += re.findall(r"%?([\w.-]+)", branches)
-        pending += re.findall(r" call\([^\n]*to_apply=%?([\w.-]+)", text)
+        pending += [branch for branches in _branch_sets(text) for branch in branches] + _calls(text)
     return found
 
 
@@ -113,15 +119,29 @@ def _count(computations: dict[str, str], name: str, times: int, counts: collecti
     for body, config in _whiles([text]):
         trip = json.loads(config).get("known_trip_count", {}).get("n", 1) if config else 1
         _count(computations, body, times * int(trip), counts)
-    for branches in re.findall(r"branch_computations=\{([^}]*)\}", text):
+    for branches in _branch_sets(text):
         costs = []
-        for branch in re.findall(r"%?([\w.-]+)", branches):
+        for branch in branches:
             branch_counts: collections.Counter = collections.Counter()
             _count(computations, branch, times, branch_counts)
             costs.append(branch_counts)
         counts.update(max(costs, key=lambda c: sum(c.values())))
-    for callee in re.findall(r" call\([^\n]*to_apply=%?([\w.-]+)", text):
+    for callee in _calls(text):
         _count(computations, callee, times, counts)
+
+
+def _entry(hlo: str) -> str:
+    return re.search(r"^ENTRY %?([\w.-]+) ", hlo, re.M).group(1)
+
+
+def _branch_sets(text: str) -> list[list[str]]:
+    """Each conditional's branch computations in a computation's text."""
+    return [re.findall(r"%?([\w.-]+)", branches) for branches in re.findall(r"branch_computations=\{([^}]*)\}", text)]
+
+
+def _calls(text: str) -> list[str]:
+    """The computations a computation's text calls (call instructions)."""
+    return re.findall(r" call\([^\n]*to_apply=%?([\w.-]+)", text)
 
 
 def _computations(hlo: str) -> dict[str, str]:

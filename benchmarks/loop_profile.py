@@ -8,7 +8,6 @@ trip counts), by what the loop called: on a GPU nearly its kernels, on a CPU its
 """
 from __future__ import annotations
 
-import collections
 from typing import Any, Sequence
 
 import jax
@@ -16,7 +15,7 @@ import numpy as np
 
 from benchmarks.device_trace import Kernel, busy_ns, traced_kernels
 from benchmarks.gpu_target import compiled_for
-from benchmarks.hlo_source import charged_to, instruction_stacks, launches_per_iteration
+from benchmarks.hlo_source import charged_weights, instruction_stacks, launches_per_iteration
 from specjax import LLM, SamplingParams
 from specjax.engine.adaptive import policy_inputs
 from specjax.engine.runner import Request, _spec_key
@@ -49,7 +48,7 @@ def loop_launches(text: str, top: int = 20) -> dict[str, Any]:
     """The launches one iteration of a compiled loop (its optimized HLO) runs, in all and by what the engine loop
     called."""
     launches = launches_per_iteration(text)
-    by_call = _charge(launches.items(), instruction_stacks(text), LOOP_FILE)
+    by_call = charged_weights(launches.items(), instruction_stacks(text), LOOP_FILE)
     return dict(launches_per_iteration=sum(launches.values()),
                 launches_by_loop_call=[dict(function=f, launches=n) for f, n in by_call.most_common(top)])
 
@@ -57,17 +56,9 @@ def loop_launches(text: str, top: int = 20) -> dict[str, Any]:
 def charged(kernels: list[Kernel], stacks: dict, per: int, caller: str | None, top: int) -> list[dict]:
     """Time (us) and kernel count per `per` charged to each function (hlo_source.charged_to), largest first;
     a kernel whose instruction the module does not name (a copy XLA added, a runtime's own) goes to "?"."""
-    time = _charge(((k.op, k.duration_ns) for k in kernels), stacks, caller)
-    count = _charge(((k.op, 1) for k in kernels), stacks, caller)
+    time = charged_weights(((k.op, k.duration_ns) for k in kernels), stacks, caller)
+    count = charged_weights(((k.op, 1) for k in kernels), stacks, caller)
     return [dict(function=f, us=ns / per / 1e3, kernels=count[f] / per) for f, ns in time.most_common(top)]
-
-
-def _charge(weighted, stacks: dict, caller: str | None) -> collections.Counter:
-    """The weights of (instruction, weight) pairs summed by the function each instruction is charged to."""
-    total = collections.Counter()
-    for instruction, weight in weighted:
-        total[charged_to(stacks.get(instruction, ()), caller)] += weight
-    return total
 
 
 def compiled_loop(llm: LLM, prompt_ids: Sequence[list[int]], params: SamplingParams,
