@@ -27,7 +27,7 @@ from specjax.engine.proposers.ngram import NgramProposer, propose_ngram, propose
 from specjax.engine.tree_acceptance import accept_tree
 from specjax.kernels.attention_reference import attention_reference
 from specjax.kernels.attention_triton import KernelConfig, attention_triton
-from specjax.kernels.policy import KernelPolicy
+from specjax.kernels.policy import KernelPolicy, has_kernels
 from specjax.models.deepseek import FAMILY as DEEPSEEK
 from specjax.models.llama import FAMILY, LlamaConfig
 
@@ -78,11 +78,24 @@ def _oracle(q, k_cache, v_cache, layer, tree: DraftTree, start, scale, window):
     return out
 
 
-@pytest.mark.parametrize("window, config, N", [(0, None, 11), (6, None, 11),
-                                               (0, KernelConfig(block_k=16, num_splits=2), 11),
-                                               (0, None, 40), (0, KernelConfig(block_k=32), 70)])
+TREE_KERNEL_CASES = [(0, None, 11), (6, None, 11), (0, KernelConfig(block_k=16, num_splits=2), 11),
+                     (0, None, 40), (0, KernelConfig(block_k=32), 70)]
+
+
+@pytest.mark.parametrize("window, config, N", TREE_KERNEL_CASES)
 def test_tree_attention_kernel_and_reference_match_the_oracle(window, config, N):
     """N nodes: the kernel's bit words for the visible nodes, one (11), two (40) and three padded to four (70)."""
+    check_tree_kernel(window, config, N, interpret=True)
+
+
+@pytest.mark.skipif(not has_kernels(jax.devices()[0]), reason="compiles the Triton kernel (NVIDIA sm80+)")
+@pytest.mark.parametrize("window, config, N", TREE_KERNEL_CASES)
+def test_the_compiled_tree_kernel_matches_the_oracle_on_the_gpu(window, config, N):
+    with jax.default_matmul_precision("highest"):   # fp32 as the engine runs it, not TF32
+        check_tree_kernel(window, config, N, interpret=False)
+
+
+def check_tree_kernel(window, config, N, interpret: bool) -> None:
     rng = np.random.default_rng(0)
     B, Hq, Hkv, D = 2, 4, 2, 16
     S = 48 + 64 * (N > 11)
@@ -93,7 +106,8 @@ def test_tree_attention_kernel_and_reference_match_the_oracle(window, config, N)
     mask = tree.verify_mask(start, N)
     expected = _oracle(q, k, v, 1, tree, start, 0.3, window)
     reference = attention_reference(q, k, v, 1, start, scale=0.3, window=window, tree=mask)
-    kernel = attention_triton(q, k, v, 1, start, scale=0.3, window=window, tree=mask, config=config, interpret=True)
+    kernel = attention_triton(q, k, v, 1, start, scale=0.3, window=window, tree=mask, config=config,
+                              interpret=interpret)
     np.testing.assert_allclose(reference, expected, atol=1e-5)
     np.testing.assert_allclose(kernel, expected, atol=1e-5)
 
