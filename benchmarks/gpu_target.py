@@ -177,7 +177,7 @@ def _counts(pattern: str, text: str, name: Callable[[str], str] = str) -> dict[s
 
 def _kernel_cases(smoke: bool) -> list[tuple[str, Callable, tuple]]:
     """(case, function, arguments) for the kernels at the shapes they meet: DeepSeek-V3's FP8 experts (one device's
-    32 of them at expert parallelism 8, loaded as they are; 96, read as column pairs) and a dense FP8 projection;
+    32 of them at expert parallelism 8; 96) and a dense FP8 projection (all read as column pairs);
     the default model's and the 8B's attention and projections."""
     from specjax.kernels.attention_triton import attention_triton
     from specjax.kernels.grouped_matmul_triton import grouped_matmul_triton
@@ -210,7 +210,7 @@ def _kernel_cases(smoke: bool) -> list[tuple[str, Callable, tuple]]:
              ("default model projection, 1 row, 576 x 960", *projection(1, 576, 960))]
     if smoke:
         return cases
-    return cases + [("V3 experts, 96 FP8 (pairs), 8 rows", *experts(96, 8)),
+    return cases + [("V3 experts, 96 FP8, 8 rows", *experts(96, 8)),
                     ("V3 experts, 32 FP8, 64 rows", *experts(32, 64)),
                     ("V3 q_b_proj, 1 FP8 matrix, 1 row", *experts(1, 1, 1536, 24576)),
                     ("default model attention, verify of 6", *attention(1, 6, 9, 3, 512, 64)),

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from specjax.kernels.grouped_matmul import grouped_matmul
 from specjax.kernels.grouped_matmul_reference import grouped_matmul_reference
-from specjax.kernels.grouped_matmul_triton import (BLOCK_M, GroupedMatmulConfig, grouped_matmul_triton, max_tiles,
-                                                   needs_pairs, tile_table)
+from specjax.kernels.grouped_matmul_triton import (BLOCK_M, GroupedMatmulConfig, default_pairs, grouped_matmul_triton,
+                                                   max_tiles, needs_pairs, tile_table)
 from specjax.kernels.policy import KernelPolicy, has_kernels
 from specjax.models.fp8 import dequantize_blocks, quantize_blocks
 
@@ -131,14 +131,17 @@ def test_an_fp8_stack_reads_back_column_by_column(pairs):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(codes[0], np.float32))
 
 
-def test_only_stacks_whose_offsets_overflow_are_read_as_pairs():
-    """Pairs for a 1-byte stack of 2 to 4 GiB (V3's 256 experts of one projection on one device), loads as they
-    are below (a device's share under expert parallelism) and above (Pallas's 64-bit offsets); forcing direct
-    loads where offsets overflow is refused before tracing."""
-    def stack(experts):
-        return jax.ShapeDtypeStruct((experts, 2048, 7168), jnp.float8_e4m3fn)
+def test_fp8_stacks_are_read_as_pairs_and_must_be_where_offsets_overflow():
+    """Pairs for every 1-byte stack with even columns; they are required for one of 2 to 4 GiB (V3's 256 experts
+    of one projection on one device), not below (a device's share under expert parallelism) or above (Pallas's
+    64-bit offsets); forcing direct loads where offsets overflow is refused before tracing."""
+    def stack(experts, columns=7168):
+        return jax.ShapeDtypeStruct((experts, 2048, columns), jnp.float8_e4m3fn)
     assert [needs_pairs(stack(e)) for e in (64, 128, 256, 512)] == [False, False, True, False]
+    assert [default_pairs(stack(e)) for e in (64, 256, 512)] == [True, True, True]
+    assert not default_pairs(stack(64, 7167))
     assert not needs_pairs(jax.ShapeDtypeStruct((256, 2048, 7168), jnp.bfloat16))
+    assert not default_pairs(jax.ShapeDtypeStruct((256, 2048, 7168), jnp.bfloat16))
     x, sizes = jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((256,), jnp.int32)
     scale = jax.ShapeDtypeStruct((256, 16, 56), jnp.float32)
     with pytest.raises(ValueError, match="pairs=False.*overflows"):
