@@ -33,8 +33,10 @@ from specjax.default_model import default_eagle3_head_dir, default_model_dir, de
 from specjax.hub import load_tokenizer
 from specjax.training import data as data_lib
 
-# shared/ sits beside the checkout.
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_train.jsonl"
+# The GSM8K questions in shared/, which sits beside the working checkout (a clone elsewhere finds it at /work).
+_GSM8K_PLACES = [Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_train.jsonl",
+                 Path("/work/shared/data/gsm8k_train.jsonl")]
+GSM8K = next((path for path in _GSM8K_PLACES if path.is_file()), _GSM8K_PLACES[0])
 
 
 def main(argv=None) -> None:

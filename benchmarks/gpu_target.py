@@ -4,8 +4,9 @@ for its registers, spills and the width of its loads.
 
 XLA compiles for a GPU it is only told about (deviceless compilation): the CUDA plugin makes a topology from a
 target description, and a jit lowered onto that topology's device compiles all the way to PTX and a cubin. Nothing
-runs, so nothing here is a time; the kernel counts match the device's (the default model's plain loop: 260 per
-token compiled here, 260-261 in the H200's profiler traces, benchmarks/RESULTS.md).
+runs, so nothing here is a time; the kernel counts are the device's to within 1-2% (the default model's loop
+compiled here: plain 263 per token, EAGLE-3 k=3 / 5 321 / 362 per iteration; the H200's profiler: 260-261,
+327.5, 369.2 kernels, benchmarks/RESULTS.md).
 
 Needs, beside jax: the CUDA plugin of the same version and ptxas (`pip install -e ".[gpu-compile]"`; no driver,
 cuDNN or cuBLAS), and in the environment before jax starts its backends: JAX_PLATFORMS=cpu (the host runs everything) and JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 (the plugin

@@ -111,9 +111,14 @@ def _outermost_whiles(computations: dict[str, str], entry: str) -> list[tuple[st
     return found
 
 
+# An instruction's name, shape and opcode; a shape is an array's or a tuple's (a multi-output fusion, a top-k, an
+# argmax's variadic reduce: "(f32[4,4]{1,0}, s32[4,4]{1,0})").
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.-]+) = (?:\((?:[^()]|\([^()]*\))*\)|\S+) ([\w-]+)\(", re.M)
+
+
 def _count(computations: dict[str, str], name: str, times: int, counts: collections.Counter) -> None:
     text = computations[name]
-    for instruction, kind in re.findall(r"^\s*(?:ROOT )?%?([\w.-]+) = \S+ ([\w-]+)\(", text, re.M):
+    for instruction, kind in _INSTRUCTION.findall(text):
         if kind in LAUNCHING:
             counts[instruction] += times
     for body, config in _whiles([text]):

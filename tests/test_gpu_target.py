@@ -42,7 +42,7 @@ def test_the_loops_compile_speculation_leaves_the_targets_pass_as_it_is_and_adap
     profiles = {p["engine"]: p for p in json.loads((tmp_path / "bench_eagle_target.json").read_text())["rows"]}
     fixed = ["specjax plain", "specjax eagle3 k=3", "specjax eagle3 tree 4:2:2"]
     assert set(profiles) == {*fixed, "specjax eagle3 k=3 auto", "specjax eagle3 tree 4:2:2 auto"}
-    # The H200's profiler counted 260-261 kernels per token of this loop.
+    # The H200's profiler counted 260-261 kernels per token of this loop (263 launches compiled).
     assert 200 <= profiles["specjax plain"]["launches_per_iteration"] <= 300
     target = [next(c["launches"] for c in profiles[name]["launches_by_loop_call"]
                    if c["function"].startswith("models/llama.py")) for name in fixed]

@@ -70,6 +70,27 @@ def test_a_nested_loop_launches_its_body_trip_count_times():
     assert by_line[inner_line] == 3 * by_line[inner_line + 1] > 0
 
 
+def test_an_instruction_of_several_outputs_launches_like_any_other():
+    """A top-k writes values and indices: its instruction's shape is a tuple (as a multi-output fusion's, an
+    argmax's variadic reduce's), and it runs as a kernel of its own all the same."""
+    import jax
+    import jax.numpy as jnp
+
+    def f(x, w, n):
+        def body(c):
+            i, x = c
+            values, indices = jax.lax.top_k(x @ w, 2)
+            return i + 1, x + values.sum() + indices.sum()
+        return jax.lax.while_loop(lambda c: c[0] < n, body, (0, x))[1]
+
+    top_k_line = f.__code__.co_firstlineno + 3
+    text = jax.jit(f).lower(jnp.ones((4, 8)), jnp.ones((8, 8)), 5).compile().as_text()
+    stacks = instruction_stacks(text)
+    tuple_shaped = set(re.findall(r"^\s*(?:ROOT )?%?([\w.-]+) = \(", text, re.M))
+    assert any(i in tuple_shaped and stacks.get(i, (Frame("", "", 0),))[0].line == top_k_line
+               for i in launches_per_iteration(text))
+
+
 def test_the_outermost_loop_is_the_one_counted_even_where_an_inner_one_is_larger():
     """Segments of steps, each an inner loop of unknown length (behind a switch here); the count is the outer
     loop's iteration (its costliest branch's segment counted once), not a segment's."""
