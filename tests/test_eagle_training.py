@@ -13,6 +13,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 from training_checks import assert_ttt_drafts_as_inference
 
+from benchmarks.bench_eagle import GSM8K
 from checkpoints_conv.eagle_loader import load_eagle_head
 from checkpoints_conv.eagle_writer import save_eagle3_head
 from specjax.models.llama import FAMILY, LlamaConfig
@@ -172,7 +173,7 @@ def test_held_out_questions_never_reach_training(tmp_path):
 def test_training_entry_point_runs_end_to_end(default_model_dir, tmp_path):
     """python -m specjax.training on a tiny configuration: record, train, save, evaluate with the real loop."""
     out, work = tmp_path / "EAGLE3-head", tmp_path / "work"
-    assert main(["--target", str(default_model_dir), "--prompts", "/work/shared/data/gsm8k_train.jsonl",
+    assert main(["--target", str(default_model_dir), "--prompts", str(GSM8K),
                  "--out", str(out), "--work", str(work), "--num-train", "6", "--num-heldout", "3",
                  "--num-eval", "2", "--max-new-tokens", "12", "--max-model-len", "256", "--generate-batch", "4",
                  "--draft-vocab-size", "512", "--steps", "3", "--log-every", "1",
@@ -187,7 +188,7 @@ def test_training_entry_point_runs_end_to_end(default_model_dir, tmp_path):
     # Continuing from the saved head: with a zero learning rate the head saved after a step is the one it
     # started from (draft vocabulary included), and the recording is reused, not repeated.
     again = tmp_path / "EAGLE3-continued"
-    common = ["--target", str(default_model_dir), "--prompts", "/work/shared/data/gsm8k_train.jsonl",
+    common = ["--target", str(default_model_dir), "--prompts", str(GSM8K),
               "--work", str(work), "--num-train", "6", "--num-heldout", "3", "--num-eval", "1",
               "--max-new-tokens", "12", "--max-model-len", "256", "--generate-batch", "4", "--steps", "1",
               "--tokens-per-batch", "1024"]

@@ -14,6 +14,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 from training_checks import assert_ttt_drafts_as_inference
 
+from benchmarks.bench_eagle import GSM8K
 from checkpoints_conv.mtp_loader import load_mtp_head
 from checkpoints_conv.mtp_writer import save_mtp_head
 from specjax import LLM, SamplingParams
@@ -89,7 +90,7 @@ def test_mtp_training_entry_point_runs_end_to_end(default_model_dir, tmp_path):
     (method "mtp", model = the head directory) and its greedy output equals plain decoding."""
     out, work = tmp_path / "MTP-head", tmp_path / "work"
     assert main(["--method", "mtp", "--target", str(default_model_dir), "--prompts",
-                 "/work/shared/data/gsm8k_train.jsonl", "--out", str(out), "--work", str(work), "--num-train", "4",
+                 str(GSM8K), "--out", str(out), "--work", str(work), "--num-train", "4",
                  "--num-heldout", "3", "--num-eval", "2", "--max-new-tokens", "12", "--max-model-len", "256",
                  "--generate-batch", "4", "--steps", "2", "--log-every", "1", "--tokens-per-batch", "512"]) == 0
     log = [json.loads(line) for line in (work / "log.jsonl").read_text().splitlines()]

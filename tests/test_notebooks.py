@@ -8,15 +8,14 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from benchmarks.bench_eagle import GSM8K
+
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-# shared/ sits beside the checkout (CI's fresh clone too); /work/shared on the developers' machines.
-GSM8K = next((p for p in (NOTEBOOKS.parents[1] / "shared/data/gsm8k_train.jsonl",
-                          Path("/work/shared/data/gsm8k_train.jsonl")) if p.is_file()), None)
 
 
 @pytest.mark.parametrize("name", ["quickstart", "harness", "train_head"])
 def test_notebook_runs_top_to_bottom(name, tmp_path, monkeypatch):
-    if name != "quickstart" and GSM8K is None:
+    if name != "quickstart" and not GSM8K.is_file():
         pytest.fail("the GSM8K questions (shared/data/gsm8k_train.jsonl) are missing")
     monkeypatch.setenv("SPECJAX_NOTEBOOK_SMALL", "1")
     monkeypatch.setenv("SPECJAX_GSM8K", str(GSM8K))
