@@ -21,6 +21,15 @@ def pytest_configure(config):
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Tiny models' programs run for microseconds, so a test of them costs what compiling costs: they compile
+    without XLA's optimisations (the tensor-parallel suite 20-30% sooner). A test marked `real_model` runs the
+    default model over many tokens, where optimised code pays for its compile (test_speculative.py took 1.6x
+    as long without). Set before the test's fixtures, some of which generate."""
+    jax.config.update("jax_disable_most_optimizations", item.get_closest_marker("real_model") is None)
+
+
 TINY_COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                    rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)

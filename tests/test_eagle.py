@@ -220,6 +220,7 @@ def plain_outputs(default_model_dir):
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY_64, use_tqdm=False)]
 
 
+@pytest.mark.real_model
 @pytest.mark.parametrize("layout, dirname, extra", [
     ("eagle1_yuhuili", "EAGLE-SmolLM2-135M", {}),                       # method from the name, torch .bin
     # method from the config; d2t reduced vocabulary, own embedding, aux layers named by the checkpoint

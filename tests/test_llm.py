@@ -14,6 +14,8 @@ import transformers
 
 from specjax import LLM, SamplingParams, make_generate_fn
 
+pytestmark = pytest.mark.real_model
+
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",

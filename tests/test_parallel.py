@@ -575,6 +575,7 @@ def test_llm_refuses_bad_tensor_parallel_sizes_before_loading(default_model_dir,
 
 # ------------------------------------------------------------------------------------- the real model
 
+@pytest.mark.real_model
 @needs_8
 @pytest.mark.slow
 def test_default_model_at_tp3_equals_tp1(default_model_dir):

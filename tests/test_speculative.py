@@ -10,6 +10,8 @@ from safetensors.numpy import load_file, save_file
 
 from specjax import LLM, SamplingParams
 
+pytestmark = pytest.mark.real_model
+
 PROMPTS = [
     "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
