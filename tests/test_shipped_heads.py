@@ -8,11 +8,11 @@ import json
 import pytest
 
 from specjax import LLM, SamplingParams
-
-pytestmark = pytest.mark.real_model
 from specjax.config import SpeculativeConfig
 from specjax.default_model import DEFAULT_EAGLE3_HEAD, DEFAULT_MTP_HEAD, default_eagle3_head_dir, default_mtp_head_dir
 from specjax.hub import resolve_model
+
+pytestmark = pytest.mark.real_model
 
 QUESTIONS = [
     "A baker makes 36 muffins and sells 5 boxes of 6 muffins each. How many muffins are left?",
