@@ -21,12 +21,21 @@ def pytest_configure(config):
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+# The files that take longest (each a subprocess: 8 simulated devices; the benchmark scripts in two lanes). The
+# two workers take files in collection order, so these go first and the short files even out the end.
+LONGEST_FIRST = ("test_benchmarks_smoke.py", "test_parallel.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """Tiny models' programs run for microseconds, so a test of them costs what compiling costs: they compile
-    without XLA's optimisations (the tensor-parallel suite 20-30% sooner). A test marked `real_model` runs the
-    default model over many tokens, where optimised code pays for its compile (test_speculative.py took 1.6x
-    as long without). Set before the test's fixtures, some of which generate."""
+    without XLA's optimisations. A test marked `real_model` runs the default model over many tokens, where
+    optimised code pays for its compile (benchmarks/RESULTS.md, "The test suite's time"). Set before the
+    test's fixtures, some of which generate."""
     jax.config.update("jax_disable_most_optimizations", item.get_closest_marker("real_model") is None)
 
 
