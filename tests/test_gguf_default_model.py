@@ -150,7 +150,6 @@ def test_unsupported_architecture_and_missing_file(tmp_path, tiny_checkpoint_fac
         convert_gguf_to_hf(tmp_path / "trunc.gguf", tmp_path / "out")
 
 
-@pytest.mark.slow
 def test_default_model_weights_equal_transformers_gguf_loader(default_model_dir, default_gguf_reference):
     config, reference = default_gguf_reference
     ours = load_file(default_model_dir / "model.safetensors")
@@ -165,7 +164,6 @@ def test_default_model_weights_equal_transformers_gguf_loader(default_model_dir,
     assert ours_config["rope_theta"] == config.rope_parameters["rope_theta"]
 
 
-@pytest.mark.slow
 def test_default_model_tokenizer_matches_transformers_gguf_tokenizer(default_model_dir, default_gguf):
     from transformers import AutoTokenizer
 
@@ -190,7 +188,6 @@ def test_default_model_dir_is_cached_and_complete(default_model_dir):
     assert GGUF_MEMBER.endswith(".gguf")
 
 
-@pytest.mark.slow
 def test_fresh_cache_converts_from_the_wheel(tmp_path, monkeypatch, default_model_dir):
     """$SPECJAX_CACHE redirects the cache; with the wheel present no download happens, and the conversion
     reproduces the cached model byte for byte."""

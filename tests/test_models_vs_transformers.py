@@ -164,7 +164,6 @@ def smollm2_gguf_reference(default_gguf_reference):
     return model.eval()
 
 
-@pytest.mark.slow
 def test_smollm2_logits_match_transformers_gguf_model(default_model_dir, smollm2_gguf_reference):
     from transformers import AutoTokenizer
 

@@ -577,7 +577,6 @@ def test_llm_refuses_bad_tensor_parallel_sizes_before_loading(default_model_dir,
 
 @pytest.mark.real_model
 @needs_8
-@pytest.mark.slow
 def test_default_model_at_tp3_equals_tp1(default_model_dir):
     """SmolLM2-135M: 9 heads and 3 kv heads split 3 ways, vocabulary 49152 split 3 ways."""
     prompts = ["The capital of France is", "1, 2, 3, 4, 5, 6,"]
@@ -595,7 +594,6 @@ def test_default_model_at_tp3_equals_tp1(default_model_dir):
 # ------------------------------------------------------------------------------------------- multi-host
 
 @needs_8
-@pytest.mark.slow
 def test_two_processes_share_one_mesh_under_jax_distributed(build, target_dir, default_model_dir):
     """Two processes with 4 CPU devices each (gloo collectives) run LLM(tensor_parallel_size=8) over all 8:
     each gets the whole result, equal to one device's."""

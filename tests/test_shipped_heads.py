@@ -56,7 +56,6 @@ def test_shipped_head_name_infers_eagle3():
 
 # A random head scores about 1.0; the EAGLE-3 head's 80-step pilot 1.5, the previous shipped head 2.34, this one
 # 2.88; the MTP layer 2.85 on held-out GSM8K questions (its training.json).
-@pytest.mark.slow
 @pytest.mark.parametrize("spec,least", [({"model": DEFAULT_EAGLE3_HEAD}, 2.5),
                                         ({"method": "mtp", "model": DEFAULT_MTP_HEAD}, 2.4)], ids=["eagle3", "mtp"])
 def test_shipped_head_is_lossless_and_accepts_drafts_on_unseen_questions(spec, least):

@@ -61,13 +61,11 @@ def test_ngram_greedy_is_lossless(default_model_dir, plain_outputs, k):
     assert len(metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values) == k
 
 
-@pytest.mark.slow
 def test_draft_model_greedy_is_lossless(default_model_dir, small_draft_dir, plain_outputs):
     _, outs = _spec_run(default_model_dir, {"model": str(small_draft_dir), "num_speculative_tokens": 3})
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
 
 
-@pytest.mark.slow
 def test_self_drafting_accepts_everything(default_model_dir, plain_outputs):
     k = 3
     llm, outs = _spec_run(default_model_dir, {"model": str(default_model_dir), "num_speculative_tokens": k})
