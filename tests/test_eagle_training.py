@@ -170,10 +170,11 @@ def test_held_out_questions_never_reach_training(tmp_path):
         data_lib.split_heldout(questions, 50)
 
 
-def test_training_entry_point_runs_end_to_end(default_model_dir, tmp_path):
-    """python -m specjax.training on a tiny configuration: record, train, save, evaluate with the real loop."""
+def test_training_entry_point_runs_end_to_end(tiny_chat_model, tmp_path):
+    """python -m specjax.training on a tiny configuration (a 4-layer random target with the default model's
+    tokenizer): record, train, save, evaluate with the real loop."""
     out, work = tmp_path / "EAGLE3-head", tmp_path / "work"
-    assert main(["--target", str(default_model_dir), "--prompts", str(GSM8K),
+    assert main(["--target", str(tiny_chat_model), "--prompts", str(GSM8K),
                  "--out", str(out), "--work", str(work), "--num-train", "6", "--num-heldout", "3",
                  "--num-eval", "2", "--max-new-tokens", "12", "--max-model-len", "256", "--generate-batch", "4",
                  "--draft-vocab-size", "512", "--steps", "3", "--log-every", "1",
@@ -188,7 +189,7 @@ def test_training_entry_point_runs_end_to_end(default_model_dir, tmp_path):
     # Continuing from the saved head: with a zero learning rate the head saved after a step is the one it
     # started from (draft vocabulary included), and the recording is reused, not repeated.
     again = tmp_path / "EAGLE3-continued"
-    common = ["--target", str(default_model_dir), "--prompts", str(GSM8K),
+    common = ["--target", str(tiny_chat_model), "--prompts", str(GSM8K),
               "--work", str(work), "--num-train", "6", "--num-heldout", "3", "--num-eval", "1",
               "--max-new-tokens", "12", "--max-model-len", "256", "--generate-batch", "4", "--steps", "1",
               "--tokens-per-batch", "1024"]

@@ -85,11 +85,12 @@ def test_mtp_training_lowers_the_loss_and_round_trips_through_the_mimo_layout(ti
         np.testing.assert_allclose(loaded.logits(mine), trained.logits(theirs), rtol=1e-4, atol=1e-4)
 
 
-def test_mtp_training_entry_point_runs_end_to_end(default_model_dir, tmp_path):
-    """python -m specjax.training --method mtp on a tiny configuration; the engine then drafts with the head
+def test_mtp_training_entry_point_runs_end_to_end(tiny_chat_model, tmp_path):
+    """python -m specjax.training --method mtp on a tiny configuration (a 4-layer random target with the
+    default model's tokenizer); the engine then drafts with the head
     (method "mtp", model = the head directory) and its greedy output equals plain decoding."""
     out, work = tmp_path / "MTP-head", tmp_path / "work"
-    assert main(["--method", "mtp", "--target", str(default_model_dir), "--prompts",
+    assert main(["--method", "mtp", "--target", str(tiny_chat_model), "--prompts",
                  str(GSM8K), "--out", str(out), "--work", str(work), "--num-train", "4",
                  "--num-heldout", "3", "--num-eval", "2", "--max-new-tokens", "12", "--max-model-len", "256",
                  "--generate-batch", "4", "--steps", "2", "--log-every", "1", "--tokens-per-batch", "512"]) == 0
@@ -99,8 +100,8 @@ def test_mtp_training_entry_point_runs_end_to_end(default_model_dir, tmp_path):
     assert log[-1]["num_drafts"] > 0 and 1.0 <= log[-1]["acceptance_length"] <= 4.0
     prompt = [{"prompt_token_ids": [1, 504, 3458, 314, 253, 2330, 28, 1]}]
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    plain = LLM(str(default_model_dir), max_model_len=128, max_num_seqs=1).generate(prompt, greedy)
-    mtp = LLM(str(default_model_dir), max_model_len=128, max_num_seqs=1,
+    plain = LLM(str(tiny_chat_model), max_model_len=128, max_num_seqs=1).generate(prompt, greedy)
+    mtp = LLM(str(tiny_chat_model), max_model_len=128, max_num_seqs=1,
               speculative_config={"method": "mtp", "model": str(out), "num_speculative_tokens": 2})
     assert mtp.generate(prompt, greedy)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="method must be one of"):

@@ -92,7 +92,8 @@ def test_seeded_speculative_sampling_is_batch_invariant(default_model_dir, small
         "model": str(small_draft_dir), "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"}, **LEN)
     seeded = SamplingParams(temperature=0.8, top_k=40, max_tokens=24, seed=5)
     alone = llm.generate(PROMPTS[4], seeded, use_tqdm=False)[0].outputs[0].token_ids
-    mixed = llm.generate(PROMPTS[:3] + [PROMPTS[4]], [GREEDY_64, SamplingParams(temperature=1.0, max_tokens=30),
+    mixed = llm.generate(PROMPTS[:3] + [PROMPTS[4]], [SamplingParams(temperature=0.0, max_tokens=16),
+                                                      SamplingParams(temperature=1.0, max_tokens=30),
                                                       SamplingParams(temperature=0.5, top_p=0.8, max_tokens=10),
                                                       seeded], use_tqdm=False)
     assert mixed[3].outputs[0].token_ids == alone
