@@ -1,5 +1,5 @@
 """GGUF -> HF conversion: exact on a synthetic file, equal to transformers' own GGUF loader on the real default
-model, and clear errors for what it cannot convert."""
+model (weights, tokenizer, and the logits of its model), and clear errors for what it cannot convert."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +16,8 @@ from checkpoints_conv.cli import main as cli_main
 from checkpoints_conv.gguf_to_hf import convert_gguf_to_hf, unpermute_rope_rows
 from specjax.default_model import DEFAULT_MODEL, GGUF_MEMBER
 from specjax.models.registry import config_from_dir
+from conftest import read_checkpoint
+from test_models_vs_transformers import assert_logits_match, flax_logits, torch_logits
 
 gguf = pytest.importorskip("gguf")   # a declared dependency, but absent from some prebuilt GPU images
 
@@ -162,6 +164,36 @@ def test_default_model_weights_equal_transformers_gguf_loader(default_model_dir,
                 "bos_token_id", "eos_token_id", "max_position_embeddings"):
         assert ours_config[key] == getattr(config, key), key
     assert ours_config["rope_theta"] == config.rope_parameters["rope_theta"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf_reference(default_gguf_reference):
+    """transformers' model on the default model's weights as transformers' own GGUF loader reads them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config, tensors = default_gguf_reference
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}   # tied to the embedding
+    model.tie_weights()
+    return model.eval()
+
+
+def test_smollm2_logits_match_transformers_gguf_model(default_model_dir, smollm2_gguf_reference):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    texts = ["The capital of France is",
+             "def fibonacci(n):\n    if n < 2:\n        return n\n",
+             "Janet has 3 apples and buys 5 more. How many apples does she have now?"]
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
+                                         tokenize=False, add_generation_prompt=True)
+    prompts = [tokenizer(t)["input_ids"] for t in texts + [chat]]
+    assert len({len(p) for p in prompts}) > 1
+    cfg, params = read_checkpoint(default_model_dir)
+    got = flax_logits(cfg, params, prompts)
+    assert_logits_match(got, torch_logits(smollm2_gguf_reference, prompts))
 
 
 def test_default_model_tokenizer_matches_transformers_gguf_tokenizer(default_model_dir, default_gguf):

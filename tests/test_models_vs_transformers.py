@@ -1,12 +1,14 @@
 """The Flax models on loaded weights against transformers' PyTorch forward: logits within 1e-4 relative (fp32)
-for every tiny family (sliding windows included, on prompts well past them), through an orbax round trip, and for
-the real SmolLM2 against its GGUF-loaded model."""
+for every tiny family (sliding windows included, on prompts well past them) and through an orbax round trip (the
+real SmolLM2 against its GGUF-loaded model: test_gguf_default_model.py, beside the weights' test that loads the
+same reference)."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import dataclasses
 
@@ -37,9 +39,15 @@ def flax_logits(cfg: LlamaConfig, params: dict, prompts: list[list[int]], unroll
     cache = model.init_cache(len(prompts), width)
     # Full fp32 matmuls: on GPUs JAX's default precision for fp32 is TF32 (about 1e-3 relative).
     with jax.default_matmul_precision("highest"):
-        hidden, _, _ = model(jnp.asarray(tokens), jnp.zeros((len(prompts),), jnp.int32), cache, fresh=fresh)
-        logits = np.asarray(model.logits(hidden))
+        logits = np.asarray(_prefill_logits(model, jnp.asarray(tokens), cache, fresh=fresh))
     return [logits[row, :len(prompt)] for row, prompt in enumerate(prompts)]
+
+
+@nnx.jit(static_argnames="fresh")
+def _prefill_logits(model, tokens: jax.Array, cache, fresh: bool) -> jax.Array:
+    # One program (run op by op, each family compiled a few hundred single operations).
+    hidden, _, _ = model(tokens, jnp.zeros((tokens.shape[0],), jnp.int32), cache, fresh=fresh)
+    return model.logits(hidden)
 
 
 def torch_logits(model, prompts: list[list[int]]) -> list[np.ndarray]:
@@ -148,33 +156,3 @@ def test_orbax_round_trip_logits_match_transformers(tmp_path, tiny_checkpoint_fa
     prompts = random_prompts(cfg.vocab_size, TINY_PROMPT_LENGTHS, seed=1)
     got = flax_logits(cfg, params, prompts)
     assert_logits_match(got, torch_logits(torch_reference(model_dir), prompts))
-
-
-@pytest.fixture(scope="module")
-def smollm2_gguf_reference(default_gguf_reference):
-    """transformers' model on the default model's weights as transformers' own GGUF loader reads them."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    config, tensors = default_gguf_reference
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}   # tied to the embedding
-    model.tie_weights()
-    return model.eval()
-
-
-def test_smollm2_logits_match_transformers_gguf_model(default_model_dir, smollm2_gguf_reference):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    texts = ["The capital of France is",
-             "def fibonacci(n):\n    if n < 2:\n        return n\n",
-             "Janet has 3 apples and buys 5 more. How many apples does she have now?"]
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
-                                         tokenize=False, add_generation_prompt=True)
-    prompts = [tokenizer(t)["input_ids"] for t in texts + [chat]]
-    assert len({len(p) for p in prompts}) > 1
-    cfg, params = read_checkpoint(default_model_dir)
-    got = flax_logits(cfg, params, prompts)
-    assert_logits_match(got, torch_logits(smollm2_gguf_reference, prompts))
