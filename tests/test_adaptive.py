@@ -359,17 +359,18 @@ def test_a_draft_model_caught_up_drafts_as_if_it_never_paused(plain_steps):
     tokens = jnp.asarray(rng.integers(0, 61, (2, S)), jnp.int32)
     prompt = jnp.asarray([6, 9], jnp.int32)
     prompt_tokens = jnp.where(jnp.arange(16)[None, :] < prompt[:, None], tokens[:, :16], 0)
-    carry = proposer.init(state, prompt_tokens, prompt, S)
+    init, propose = jax.jit(proposer.init, static_argnums=3), jax.jit(proposer.propose)
+    carry = init(state, prompt_tokens, prompt, S)
     lengths = prompt + jnp.asarray([1 + plain_steps, 1])   # row 0 paused for plain_steps, row 1 did not
     caught = jax.jit(proposer.catch_up)(state, carry, tokens, lengths, _rows(2))
-    fresh = proposer.init(state, tokens, jnp.full((2,), S, jnp.int32), S)
+    fresh = init(state, tokens, jnp.full((2,), S, jnp.int32), S)
     valid = int(lengths[0]) - 2
     np.testing.assert_allclose(caught.cache.k[:, 0, :, :valid], fresh.cache.k[:, 0, :, :valid], atol=1e-5)
     np.testing.assert_allclose(caught.cache.v[:, 0, :, :valid], fresh.cache.v[:, 0, :, :valid], atol=1e-5)
     np.testing.assert_allclose(caught.cache.k[:, 1, :, :int(prompt[1])], carry.cache.k[:, 1, :, :int(prompt[1])],
                                atol=1e-5)
-    drafts, _, _ = proposer.propose(state, caught, tokens, lengths, _rows(2))
-    reference, _, _ = proposer.propose(state, fresh, tokens, lengths, _rows(2))
+    drafts, _, _ = propose(state, caught, tokens, lengths, _rows(2))
+    reference, _, _ = propose(state, fresh, tokens, lengths, _rows(2))
     assert drafts[0].tolist() == reference[0].tolist()
 
 

@@ -137,16 +137,24 @@ def test_a_tree_pass_scores_each_node_as_its_own_path(family):
     tree = random_tree(rng, 1, N, vocab=40)
     context = jnp.asarray(rng.integers(0, 40, (1, prefix)), jnp.int32)
     start = jnp.asarray([prefix - 1], jnp.int32)
-    cache = model.init_cache(1, 32)
-    _, cache, _ = model(context[:, :-1], jnp.zeros((1,), jnp.int32), cache)
+    zeros = jnp.zeros((1,), jnp.int32)
+    _, cache = _forward(model, context[:, :-1], zeros, model.init_cache(1, 32))
     verify = jnp.concatenate([context[:, -1:], tree.tokens], axis=1)
-    hidden, _, _ = model(verify, start, cache, tree=tree.verify_mask(start, N))
+    hidden, _ = _forward(model, verify, start, cache, tree.verify_mask(start, N))
     anc = np.asarray(tree.ancestry(N))[0]
     for node in range(N + 1):
         path = [int(verify[0, j]) for j in range(N + 1) if anc[node, j]]   # ancestors come first (topological)
-        alone, _, _ = model(jnp.concatenate([context[:, :-1], jnp.asarray([path])], axis=1), jnp.zeros((1,), jnp.int32),
-                            model.init_cache(1, 32))
-        np.testing.assert_allclose(hidden[0, node], alone[0, -1], atol=2e-4, rtol=2e-4)
+        # One causal pass over the prefix and the path, right-padded to one width (one compiled program).
+        alone = np.zeros((1, prefix + N), np.int32)
+        alone[0, :prefix - 1], alone[0, prefix - 1:prefix - 1 + len(path)] = context[0, :-1], path
+        out, _ = _forward(model, jnp.asarray(alone), zeros, model.init_cache(1, 32))
+        np.testing.assert_allclose(hidden[0, node], out[0, prefix - 2 + len(path)], atol=2e-4, rtol=2e-4)
+
+
+@nnx.jit
+def _forward(model, tokens: jax.Array, start: jax.Array, cache, tree=None):
+    hidden, cache, _ = model(tokens, start, cache, tree=tree)
+    return hidden, cache
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -362,15 +370,17 @@ def test_a_heads_tree_passes_see_what_a_chain_along_each_branch_sees(head_setup)
     hidden, _, aux = target(tokens[:, :P], jnp.zeros((1,), jnp.int32), target.init_cache(1, S),
                             capture_layers=proposer.capture_layers)
     rows = _rows(1)
-    carry = proposer.observe(head_state, proposer.init(head_state, tokens[:, :P], lengths, S),
-                             TargetPass(hidden, aux.captured, jnp.zeros((1,), jnp.int32)), tokens, lengths, rows)
-    tree, _, _ = proposer.propose_tree(head_state, carry, tokens, lengths, rows)
+    carry = jax.jit(proposer.observe)(head_state, proposer.init(head_state, tokens[:, :P], lengths, S),
+                                      TargetPass(hidden, aux.captured, jnp.zeros((1,), jnp.int32)), tokens, lengths,
+                                      rows)
+    tree, _, _ = jax.jit(proposer.propose_tree)(head_state, carry, tokens, lengths, rows)
+    step = nnx.jit(lambda head, token, feed, position, cache: head(token, feed, position, cache))
 
     def best_children(path):
         """The head run along `path` as a chain from the carry: its top-b next tokens."""
         out, feed, cache = carry.root[:, None], carry.hidden[:, None], carry.cache
         for i, token in enumerate(path):
-            out, feed, cache = head(jnp.asarray([[token]]), feed, lengths - 1 + i, cache)
+            out, feed, cache = step(head, jnp.asarray([[token]]), feed, lengths - 1 + i, cache)
         return set(np.asarray(jax.lax.top_k(head.logits(out[0, 0]), b)[1]).tolist())
 
     paths = {0: ()}

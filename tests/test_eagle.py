@@ -186,10 +186,9 @@ def test_sampled_tokens_follow_the_target_and_use_the_heads_q(tmp_path, tiny_tar
     p = np.asarray(jax.nn.softmax(target.logits(hidden[0, -1])), np.float64)
     assert chi_square_p_value(out[chosen, 1], p) > 1e-3
 
-    carry = proposer.init(state, context, jnp.asarray([7]), S)
-    carry = proposer.observe(state, carry, TargetPass(hidden, aux.captured, jnp.zeros((1,), jnp.int32)),
-                             jnp.pad(context, ((0, 0), (0, S - 7))), jnp.asarray([7]),
-                             rows)
+    carry = jax.jit(proposer.init, static_argnums=3)(state, context, jnp.asarray([7]), S)
+    carry = jax.jit(proposer.observe)(state, carry, TargetPass(hidden, aux.captured, jnp.zeros((1,), jnp.int32)),
+                                      jnp.pad(context, ((0, 0), (0, S - 7))), jnp.asarray([7]), rows)
     q = np.asarray(carry.first_probs[0], np.float64)
     assert np.count_nonzero(q) <= 30
     accepted = final.counters.num_accepted[chosen, 0] > 0

@@ -132,10 +132,10 @@ def test_chained_drafts_match_transformers_reusing_the_layer(checkpoints, layout
     lengths = jnp.asarray([len(committed)], jnp.int32)
     rows = greedy_rows(1, [20], [])
     with jax.default_matmul_precision("highest"):
-        carry = proposer.init(state, tokens[:, :len(prompt)], lengths - 1, 32)
-        carry = proposer.observe(state, carry, TargetPass(hidden, None, jnp.zeros((1,), jnp.int32)), tokens,
-                                 lengths, rows)
-        drafts, _, _ = proposer.propose(state, carry, tokens, lengths, rows)
+        carry = jax.jit(proposer.init, static_argnums=3)(state, tokens[:, :len(prompt)], lengths - 1, 32)
+        carry = jax.jit(proposer.observe)(state, carry, TargetPass(hidden, None, jnp.zeros((1,), jnp.int32)),
+                                          tokens, lengths, rows)
+        drafts, _, _ = jax.jit(proposer.propose)(state, carry, tokens, lengths, rows)
     assert drafts[0].tolist() == want
 
 
