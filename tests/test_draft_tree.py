@@ -14,6 +14,7 @@ from chi_square import chi_square_p_value
 from deepseek_checkpoints import deepseek_config
 from eagle_heads import write_head
 from flax import nnx
+from conftest import jitted_forward
 from test_engine_loop import MAX_LEN, TARGET, _generated, _rows, _run
 
 from checkpoints_conv.eagle_loader import load_eagle_head
@@ -138,24 +139,17 @@ def test_a_tree_pass_scores_each_node_as_its_own_path(family):
     context = jnp.asarray(rng.integers(0, 40, (1, prefix)), jnp.int32)
     start = jnp.asarray([prefix - 1], jnp.int32)
     zeros = jnp.zeros((1,), jnp.int32)
-    _, cache = _forward(model, context[:, :-1], zeros, model.init_cache(1, 32))
+    _, _, cache = jitted_forward(model, context[:, :-1], zeros, model.init_cache(1, 32))
     verify = jnp.concatenate([context[:, -1:], tree.tokens], axis=1)
-    hidden, _ = _forward(model, verify, start, cache, tree.verify_mask(start, N))
+    hidden, _, _ = jitted_forward(model, verify, start, cache, tree.verify_mask(start, N))
     anc = np.asarray(tree.ancestry(N))[0]
     for node in range(N + 1):
         path = [int(verify[0, j]) for j in range(N + 1) if anc[node, j]]   # ancestors come first (topological)
         # One causal pass over the prefix and the path, right-padded to one width (one compiled program).
         alone = np.zeros((1, prefix + N), np.int32)
         alone[0, :prefix - 1], alone[0, prefix - 1:prefix - 1 + len(path)] = context[0, :-1], path
-        out, _ = _forward(model, jnp.asarray(alone), zeros, model.init_cache(1, 32))
+        out, _, _ = jitted_forward(model, jnp.asarray(alone), zeros, model.init_cache(1, 32))
         np.testing.assert_allclose(hidden[0, node], out[0, prefix - 2 + len(path)], atol=2e-4, rtol=2e-4)
-
-
-@nnx.jit
-def _forward(model, tokens: jax.Array, start: jax.Array, cache, tree=None):
-    hidden, cache, _ = model(tokens, start, cache, tree=tree)
-    return hidden, cache
-
 
 # ------------------------------------------------------------------------------------------------------------
 # building trees

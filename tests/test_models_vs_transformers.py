@@ -8,12 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import dataclasses
 
 from checkpoints_conv import convert_hf_to_orbax
-from conftest import TINY_FAMILIES, read_checkpoint
+from conftest import TINY_FAMILIES, jitted_forward, read_checkpoint
 from specjax.kernels.policy import KernelPolicy
 from specjax.models.llama import FAMILY, LlamaConfig, stack_layers, unstack_layers
 
@@ -39,15 +38,10 @@ def flax_logits(cfg: LlamaConfig, params: dict, prompts: list[list[int]], unroll
     cache = model.init_cache(len(prompts), width)
     # Full fp32 matmuls: on GPUs JAX's default precision for fp32 is TF32 (about 1e-3 relative).
     with jax.default_matmul_precision("highest"):
-        logits = np.asarray(_prefill_logits(model, jnp.asarray(tokens), cache, fresh=fresh))
+        _, logits, _ = jitted_forward(model, jnp.asarray(tokens), jnp.zeros((len(prompts),), jnp.int32), cache,
+                                      fresh=fresh)
+        logits = np.asarray(logits)
     return [logits[row, :len(prompt)] for row, prompt in enumerate(prompts)]
-
-
-@nnx.jit(static_argnames="fresh")
-def _prefill_logits(model, tokens: jax.Array, cache, fresh: bool) -> jax.Array:
-    # One program (run op by op, each family compiled a few hundred single operations).
-    hidden, _, _ = model(tokens, jnp.zeros((tokens.shape[0],), jnp.int32), cache, fresh=fresh)
-    return model.logits(hidden)
 
 
 def torch_logits(model, prompts: list[list[int]]) -> list[np.ndarray]:
