@@ -2,7 +2,6 @@
 reference, row independence (what exact speculation needs), the dispatcher's choice, bad inputs."""
 from __future__ import annotations
 
-import dataclasses
 import types
 
 import jax
@@ -80,7 +79,7 @@ def test_kernel_matches_reference(flags, dtype):
 # No shrinking: each interpret-mode example costs about a second.
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow],
           phases=[Phase.explicit, Phase.reuse, Phase.generate])
-@given(rows=st.integers(1, 5 * BLOCK_M + 3), k=st.integers(1, 200), half_n=st.integers(1, 60),
+@given(rows=st.integers(1, 40), k=st.integers(1, 200), half_n=st.integers(1, 60),
        flags=st.sampled_from(FLAGS), seed=st.integers(0, 2**16))
 def test_kernel_random_shapes(rows, k, half_n, flags, seed):
     args = make_inputs(seed, rows=rows, k=k, n=2 * half_n, dtype=jnp.float32, **flags)
@@ -102,16 +101,11 @@ def test_default_config_runs_and_keeps_leading_dims():
 def test_a_row_rounds_the_same_whatever_the_row_count(dtype):
     """A token's projection in a one-token decode step equals it inside a many-token verify pass, bit for
     bit: greedy speculation reproduces plain decoding only if it does."""
-    args = make_inputs(3, rows=5 * BLOCK_M + 3, k=96, n=64, dtype=dtype, norm=True, activation="swiglu")
-    rows = (0, BLOCK_M + 1, 2 * BLOCK_M + 2, 5 * BLOCK_M + 2)
-    ones = [projection_triton(**(args | dict(x=args["x"][row:row + 1])), config=SMALL_TILES, interpret=True)[0]
-            for row in rows]
-    # 6 row tiles: two programs of 4 tiles (the second half padding), three of 2, six of 1.
-    for row_tiles in (4, 2, 1):
-        many = projection_triton(**args, config=dataclasses.replace(SMALL_TILES, row_tiles=row_tiles),
-                                 interpret=True)
-        for row, one in zip(rows, ones):
-            np.testing.assert_array_equal(np.asarray(one, np.float32), np.asarray(many[row], np.float32))
+    args = make_inputs(3, rows=2 * BLOCK_M + 3, k=96, n=64, dtype=dtype, norm=True, activation="swiglu")
+    many = projection_triton(**args, config=SMALL_TILES, interpret=True)
+    for row in (0, BLOCK_M + 1, 2 * BLOCK_M + 2):
+        one = projection_triton(**(args | dict(x=args["x"][row:row + 1])), config=SMALL_TILES, interpret=True)
+        np.testing.assert_array_equal(np.asarray(one[0], np.float32), np.asarray(many[row], np.float32))
 
 
 def fake_device(platform, capability=None):
@@ -132,7 +126,8 @@ def test_dispatcher_uses_the_kernel_only_where_launches_bound_the_projection():
     policy = KernelPolicy()
     assert 2 * small[0] * small[1] <= policy.projection_max_weight_bytes < 2 * big[0] * big[1]
     assert uses_kernel(h100, (1, 1, 576), small)
-    assert uses_kernel(h100, (8, 4, 576), small)            # a verify pass
+    assert uses_kernel(h100, (4, 4, 576), small)            # a k=3 verify pass of 4 rows
+    assert not uses_kernel(h100, (8, 4, 576), small)        # of 8 rows: XLA's GEMM ran faster
     assert not uses_kernel(h100, (1, policy.projection_max_rows + 1, 576), small)   # a prefill
     assert not uses_kernel(h100, (1, 1, 4096), big)
     assert not uses_kernel(fake_device("gpu", "7.5"), (1, 1, 576), small)   # T4

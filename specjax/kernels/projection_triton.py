@@ -5,10 +5,8 @@ counts them for the default model). XLA compiles a projection of a
 single row as a multiply kernel that writes x * W out and a reduce kernel that reads it back, and each
 RMSNorm as a kernel of its own. This kernel does the norm, the matmul and the epilogue (SwiGLU, or the
 residual add) in one launch:
-- one program per (group of up to MAX_ROW_TILES tiles of BLOCK_M rows, block of output columns), with enough
-  column blocks to spread the weight over the SMs; a program multiplies each weight chunk it loads by every
-  row tile of its group, so a verify pass of a few tiles (a draft tree's 17-65 tokens) launches the programs of
-  a one-token step, not a multiple of them;
+- one program per (tile of BLOCK_M rows, block of output columns), with enough column blocks to spread the
+  weight over the SMs;
 - the reduction dimension is read in chunks of 256, software-pipelined so that several are in flight;
 - with a norm, a first pass over the program's rows sums their squares (the rows are few: reading them
   twice costs nothing);
@@ -33,8 +31,6 @@ from specjax.kernels.projection_reference import output_features
 
 # Triton's matrix units need at least 16 rows per dot; the row tile never changes with the row count.
 BLOCK_M = 16
-# Row tiles one program multiplies by each weight chunk (their x chunks are staged beside the weight's).
-MAX_ROW_TILES = 4
 _MIN_BLOCK_N, _MAX_BLOCK_N = 16, 64
 _DEFAULT_SM_COUNT = 132
 
@@ -47,7 +43,6 @@ class ProjectionConfig:
     block_k: int = 256      # reduction chunk
     num_warps: int = 4
     num_stages: int = 3
-    row_tiles: int = MAX_ROW_TILES   # row tiles per program (fewer where the call has fewer)
 
 
 def default_config(in_features: int, out_features: int, sm_count: int = _DEFAULT_SM_COUNT) -> ProjectionConfig:
@@ -71,7 +66,6 @@ def projection_triton(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = No
     rows = math.prod(lead)
     out_features = output_features(w, activation)
     config = config or default_config(in_features, out_features)
-    row_tiles = max(1, min(config.row_tiles, pl.cdiv(rows, BLOCK_M)))
     args = [x.reshape(rows, in_features)]
     if norm is not None:
         args.append(norm)
@@ -81,12 +75,12 @@ def projection_triton(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = No
     kernel = functools.partial(
         _projection_kernel, has_norm=norm is not None, has_residual=residual is not None,
         swiglu=activation == "swiglu",
-        rows=rows, in_features=in_features, out_features=out_features, eps=eps, row_tiles=row_tiles,
-        block_n=config.block_n, block_k=config.block_k,
+        rows=rows, in_features=in_features, out_features=out_features, eps=eps, block_n=config.block_n,
+        block_k=config.block_k,
         precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT)
     out = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(rows, BLOCK_M * row_tiles), pl.cdiv(out_features, config.block_n)),
+        grid=(pl.cdiv(rows, BLOCK_M), pl.cdiv(out_features, config.block_n)),
         in_specs=[pl.BlockSpec() for _ in args],   # unblocked: the kernel indexes its rows and columns
         out_specs=pl.BlockSpec(),
         out_shape=jax.ShapeDtypeStruct((rows, out_features), x.dtype),
@@ -98,72 +92,52 @@ def projection_triton(x: jax.Array, w: jax.Array, *, norm: jax.Array | None = No
 
 
 def _projection_kernel(*refs, has_norm: bool, has_residual: bool, swiglu: bool, rows: int, in_features: int,
-                       out_features: int, eps: float, row_tiles: int, block_n: int, block_k: int,
+                       out_features: int, eps: float, block_n: int, block_k: int,
                        precision: lax.Precision) -> None:
-    """One (group of row tiles, column block): [norm pass], the K loop of dots (each weight chunk times every
-    row tile, one BLOCK_M-row dot each), the epilogue and one masked store per tile."""
+    """One (row tile, column block): [norm pass], the K loop of dots, the epilogue, one masked store."""
     refs = list(refs)
     x_ref = refs.pop(0)
     norm_ref = refs.pop(0) if has_norm else None
     w_ref = refs.pop(0)
     residual_ref = refs.pop(0) if has_residual else None
     (out_ref,) = refs
-    first = pl.program_id(0) * row_tiles * BLOCK_M
-    tile_rows = [first + t * BLOCK_M + lax.broadcasted_iota(jnp.int32, (BLOCK_M,), 0) for t in range(row_tiles)]
+    row = pl.program_id(0) * BLOCK_M + lax.broadcasted_iota(jnp.int32, (BLOCK_M,), 0)
     col = pl.program_id(1) * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
-    col_ok = col < out_features
+    row_ok, col_ok = row < rows, col < out_features
     num_chunks = pl.cdiv(in_features, block_k)
 
-    def chunk_columns(chunk):
+    def x_chunk(chunk):
         ks = chunk * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-        return ks, ks < in_features
-
-    def x_tile(row, ks, k_ok):
-        return plt.load(x_ref.at[row[:, None], ks[None, :]], mask=(row < rows)[:, None] & k_ok[None, :], other=0.0)
+        k_ok = ks < in_features
+        xs = plt.load(x_ref.at[row[:, None], ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        return ks, k_ok, xs
 
     if has_norm:
-        def square_sums(chunk, totals):
-            ks, k_ok = chunk_columns(chunk)
-            return tuple(total + jnp.sum(jnp.square(x_tile(row, ks, k_ok).astype(jnp.float32)), axis=1)
-                         for row, total in zip(tile_rows, totals))
+        def square_sum(chunk, total):
+            xs = x_chunk(chunk)[2].astype(jnp.float32)
+            return total + jnp.sum(xs * xs, axis=1)
 
-        zeros = tuple(jnp.zeros((BLOCK_M,), jnp.float32) for _ in tile_rows)
-        inv_rms = [lax.rsqrt(total / in_features + eps)
-                   for total in lax.fori_loop(0, num_chunks, square_sums, zeros)]
+        squares = lax.fori_loop(0, num_chunks, square_sum, jnp.zeros((BLOCK_M,), jnp.float32))
+        inv_rms = lax.rsqrt(squares / in_features + eps)
 
     width = 2 * block_n if swiglu else block_n   # weight columns per program (gate/up interleaved)
     w_col = pl.program_id(1) * width + lax.broadcasted_iota(jnp.int32, (width,), 0)
     w_col_ok = w_col < w_ref.shape[1]
 
-    def accumulate(chunk, totals):
-        ks, k_ok = chunk_columns(chunk)
-        w = plt.load(w_ref.at[ks[:, None], w_col[None, :]], mask=k_ok[:, None] & w_col_ok[None, :], other=0.0)
+    def accumulate(chunk, total):
+        ks, k_ok, xs = x_chunk(chunk)
         if has_norm:
+            # As rms_norm: normalise in fp32, round to the model dtype, then scale by the weight.
             scale = plt.load(norm_ref.at[ks], mask=k_ok, other=0.0)
-        out = []
-        for t, (row, total) in enumerate(zip(tile_rows, totals)):
-            xs = x_tile(row, ks, k_ok)
-            if has_norm:
-                # As rms_norm: normalise in fp32, round to the model dtype, then scale by the weight.
-                xs = scale[None, :] * (xs.astype(jnp.float32) * inv_rms[t][:, None]).astype(xs.dtype)
-            out.append(total + plt.dot(xs, w, precision=precision))
-        return tuple(out)
+            xs = scale[None, :] * (xs.astype(jnp.float32) * inv_rms[:, None]).astype(xs.dtype)
+        w = plt.load(w_ref.at[ks[:, None], w_col[None, :]], mask=k_ok[:, None] & w_col_ok[None, :], other=0.0)
+        return total + plt.dot(xs, w, precision=precision)
 
-    zeros = tuple(jnp.zeros((BLOCK_M, width), jnp.float32) for _ in tile_rows)
-    products = lax.fori_loop(0, num_chunks, accumulate, zeros)
-    for row, product in zip(tile_rows, products):
-        _store_tile(out_ref, residual_ref, row, col, product, rows=rows, col_ok=col_ok, swiglu=swiglu,
-                    block_n=block_n, precision=precision)
-
-
-def _store_tile(out_ref, residual_ref, row, col, product, *, rows: int, col_ok, swiglu: bool, block_n: int,
-                precision: lax.Precision) -> None:
-    """One row tile's epilogue (SwiGLU or the cast, then the residual add) and its masked store."""
+    product = lax.fori_loop(0, num_chunks, accumulate, jnp.zeros((BLOCK_M, width), jnp.float32))
     dtype = out_ref.dtype
     if swiglu:
         # As the reference: gate and up round to the model dtype, then silu(gate) * up. Column 2j of the
         # product is gate j, 2j + 1 is up j; a dot with a 0/1 matrix picks each half exactly.
-        width = 2 * block_n
         rounded = product.astype(dtype)
         pick = lax.broadcasted_iota(jnp.int32, (width, block_n), 0)
         target = 2 * lax.broadcasted_iota(jnp.int32, (width, block_n), 1)
@@ -173,8 +147,8 @@ def _store_tile(out_ref, residual_ref, row, col, product, *, rows: int, col_ok, 
         y = (silu * up).astype(dtype)
     else:
         y = product.astype(dtype)
-    mask = (row < rows)[:, None] & col_ok[None, :]
-    if residual_ref is not None:
+    mask = row_ok[:, None] & col_ok[None, :]
+    if has_residual:
         residual = plt.load(residual_ref.at[row[:, None], col[None, :]], mask=mask, other=0.0)
         y = (residual.astype(jnp.float32) + y.astype(jnp.float32)).astype(dtype)
     plt.store(out_ref.at[row[:, None], col[None, :]], y, mask=mask)
