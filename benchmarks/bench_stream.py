@@ -2,13 +2,13 @@
 a few loop steps (each chunk a device round trip, the host reading the tokens so far and decoding them).
 
     PYTHONPATH=. python benchmarks/bench_stream.py [--max-tokens 128] [--intervals 1,4,16] [--repeats 5]
-        [--method ngram] [--smoke]
+        [--method ngram] [--model DIR] [--smoke]
 
 Greedy with ignore_eos, batch 1, compiled beforehand (one warm-up call each); the median of --repeats rounds
 in which the runs take turns.
 Writes $OUT/bench_stream.json (or benchmarks/results): one row for generate, one per stream interval, with
 tokens/s, the time to the first streamed token, and whether the streamed tokens are generate's. `--smoke`: 4
-tokens, one interval, one run (checks the script).
+tokens, one interval, one run (checks the script). `--model`: another checkpoint than the default model.
 """
 from __future__ import annotations
 
@@ -64,13 +64,15 @@ def main(argv=None) -> None:
     parser.add_argument("--intervals", default="1,4,16", help="stream_interval values (loop steps per update)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--method", default=None, choices=[None, "ngram"], help="ngram: k=4 prompt lookup")
+    parser.add_argument("--model", help="a checkpoint directory (default: the default model)")
     parser.add_argument("--smoke", action="store_true", help="4 tokens, one interval, one run: checks the script")
     args = parser.parse_args(argv)
     if args.smoke:
         args.max_tokens, args.intervals, args.repeats = 4, "2", 1
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
             "prompt_lookup_min": 2} if args.method else None
-    llm = LLM(max_model_len=1024, max_num_seqs=1, speculative_config=spec)
+    max_model_len = 256 if args.smoke else 1024   # the smoke test's 4-layer model has 512 positions
+    llm = LLM(args.model, max_model_len=max_model_len, max_num_seqs=1, speculative_config=spec)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     intervals = [int(i) for i in args.intervals.split(",")]
     runs = {None: lambda: time_generate(llm, params)}

@@ -217,14 +217,15 @@ def _fmt(v) -> str:
 
 
 def time_llm(model_dir, spec: dict | None, prompt_ids: list[list[int]], batch: int, max_tokens: int | list[int],
-             dtype: str = "auto", continuous_admission: bool = True, profile: bool = False) -> dict:
+             dtype: str = "auto", continuous_admission: bool = True, profile: bool = False,
+             max_model_len: int = 1024) -> dict:
     """Greedy generation of prompt_ids through the LLM facade, batch slots (more prompts than slots: admitted
     as rows finish, or in waves), compiled beforehand: tokens per prompt, seconds, vLLM's acceptance length
     and per-position acceptance rates, (adaptive speculation) the timed run's loop iterations at each k, and
     (admission) the mean slot occupancy and prefill batches of the timed run. max_tokens: one for all, or one
     per prompt. profile: also the launches per iteration of the loop one wave of the first `batch` prompts runs,
     and on a GPU where its device time goes (loop_profile.py), after the timed run."""
-    llm = LLM(str(model_dir), speculative_config=spec, max_model_len=1024, max_num_seqs=batch, dtype=dtype,
+    llm = LLM(str(model_dir), speculative_config=spec, max_model_len=max_model_len, max_num_seqs=batch, dtype=dtype,
               continuous_admission=continuous_admission)
     budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_ids)
     params = [SamplingParams(temperature=0.0, max_tokens=n) for n in budgets]

@@ -93,7 +93,7 @@ def test_user_mistakes_end_with_one_line_and_status_1(tmp_path, capsys):
     assert "missing.txt" in errors[0] and "num_speculative_tokens" in "\n".join(errors)
 
 
-def test_generate_writes_what_llm_generate_returns(tmp_path, monkeypatch):
+def test_generate_writes_what_llm_generate_returns(tiny_chat_model, tmp_path, monkeypatch):
     from specjax import LLM, SamplingParams
 
     out = tmp_path / "out.jsonl"
@@ -101,11 +101,11 @@ def test_generate_writes_what_llm_generate_returns(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps({"prompt_token_ids": [1, 504, 3575]}) + "\n"
                                                   + json.dumps({"messages": conversation}) + "\n"))
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
-    assert cli.main(["generate", "The capital of France is", "--input", "-", "--output", str(out),
-                     "--max-tokens", "6", "--max-model-len", "256", "--max-num-seqs", "2", *GREEDY,
-                     "--speculative-config", json.dumps(spec)]) == 0
+    assert cli.main(["generate", "The capital of France is", "--model", str(tiny_chat_model), "--input", "-",
+                     "--output", str(out), "--max-tokens", "6", "--max-model-len", "256", "--max-num-seqs", "2",
+                     *GREEDY, "--speculative-config", json.dumps(spec)]) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    llm = LLM(max_model_len=256, max_num_seqs=2, speculative_config=spec)
+    llm = LLM(str(tiny_chat_model), max_model_len=256, max_num_seqs=2, speculative_config=spec)
     params = SamplingParams(temperature=0.0, max_tokens=6)
     expected = llm.generate(["The capital of France is", {"prompt_token_ids": [1, 504, 3575]}], params) + \
         llm.chat([conversation], params)

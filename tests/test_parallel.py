@@ -573,22 +573,27 @@ def test_llm_refuses_bad_tensor_parallel_sizes_before_loading(default_model_dir,
             speculative_config={"model": str(draft_dir), "num_speculative_tokens": 2})
 
 
-# ------------------------------------------------------------------------------------- the real model
+# --------------------------------------------------------------------------------- the default model's shape
 
-@pytest.mark.real_model
+# The default model's (SmolLM2-135M's) head counts and vocabulary on 2 narrow layers: the split is what matters.
+SMOLLM2_SPLIT = dict(vocab_size=49152, hidden_size=72, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+
+
 @needs_8
-def test_default_model_at_tp3_equals_tp1(default_model_dir):
-    """SmolLM2-135M: 9 heads and 3 kv heads split 3 ways, vocabulary 49152 split 3 ways."""
+def test_default_models_heads_at_tp3_equal_tp1(default_model_dir, tmp_path):
+    """SmolLM2-135M's shape split 3 ways: 9 heads and 3 kv heads, vocabulary 49152 (tied to the embedding)."""
+    model_dir = _write_checkpoint(tmp_path, "LlamaConfig", SMOLLM2_SPLIT, seed=2)
     prompts = ["The capital of France is", "1, 2, 3, 4, 5, 6,"]
-    params = SamplingParams(temperature=0.0, max_tokens=24)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = {}
     for tp in (1, 3):
-        llm = LLM(str(default_model_dir), tensor_parallel_size=tp, speculative_config=NGRAM,
-                  max_model_len=128, max_num_seqs=2)
+        llm = LLM(str(model_dir), tokenizer=str(default_model_dir), tensor_parallel_size=tp,
+                  speculative_config=NGRAM, max_model_len=128, max_num_seqs=2)
         outs[tp] = llm.generate(prompts, params, use_tqdm=False)
     assert _tokens(outs[3]) == _tokens(outs[1])
     assert _accepted(outs[3]) == _accepted(outs[1])
-    assert llm.params["layers"]["w_qkv"].addressable_shards[0].data.shape == (30, 576, (576 + 2 * 192) // 3)
+    assert llm.params["layers"]["w_qkv"].addressable_shards[0].data.shape == (2, 72, (72 + 2 * 24) // 3)
 
 
 # ------------------------------------------------------------------------------------------- multi-host
