@@ -19,14 +19,19 @@ from specjax.parallel.mesh import traced_with
 SMALL = SearchConfig(max_chunks=4, block=32)
 
 
+# One program per shape, not the operations one by one.
+_search = jax.jit(keep_mask_triton, static_argnames=("interpret", "config"))
+_sort = jax.jit(keep_mask_reference)
+
+
 def search(logits, top_k, top_p, config=SMALL):
-    return np.asarray(keep_mask_triton(jnp.asarray(logits, jnp.float32), jnp.asarray(top_k, jnp.int32),
-                                       jnp.asarray(top_p, jnp.float32), interpret=True, config=config))
+    return np.asarray(_search(jnp.asarray(logits, jnp.float32), jnp.asarray(top_k, jnp.int32),
+                              jnp.asarray(top_p, jnp.float32), interpret=True, config=config))
 
 
 def sort(logits, top_k, top_p):
-    return np.asarray(keep_mask_reference(jnp.asarray(logits, jnp.float32), jnp.asarray(top_k, jnp.int32),
-                                          jnp.asarray(top_p, jnp.float32)))
+    return np.asarray(_sort(jnp.asarray(logits, jnp.float32), jnp.asarray(top_k, jnp.int32),
+                            jnp.asarray(top_p, jnp.float32)))
 
 
 def vllm_rule(row: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
@@ -104,7 +109,7 @@ def test_search_under_vmap():
     """functional.make_generate_fn may be vmapped over seeds: the kernels then run batched."""
     logits = np.random.default_rng(4).gumbel(size=(3, 2, 300))
     top_k, top_p = np.full((3, 2, 1), 20), np.full((3, 2, 1), 0.7)
-    batched = jax.vmap(lambda x, k, p: keep_mask_triton(x, k, p, interpret=True, config=SMALL))(
+    batched = jax.jit(jax.vmap(lambda x, k, p: keep_mask_triton(x, k, p, interpret=True, config=SMALL)))(
         jnp.asarray(logits, jnp.float32), jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32))
     np.testing.assert_array_equal(np.asarray(batched), sort(logits, top_k, top_p))
 
