@@ -224,9 +224,11 @@ def time_llm(model_dir, spec: dict | None, prompt_ids: list[list[int]], batch: i
     and per-position acceptance rates, (adaptive speculation) the timed run's loop iterations at each k, and
     (admission) the mean slot occupancy and prefill batches of the timed run. max_tokens: one for all, or one
     per prompt. profile: also the launches per iteration of the loop one wave of the first `batch` prompts runs,
-    and on a GPU where its device time goes (loop_profile.py), after the timed run."""
+    and on a GPU where its device time goes (loop_profile.py), after the timed run; the engine is then compiled
+    without CUDA graphs (enforce_eager: a loop that is one graph hides its kernels from the profiler), so its
+    timings are eager ones."""
     llm = LLM(str(model_dir), speculative_config=spec, max_model_len=max_model_len, max_num_seqs=batch, dtype=dtype,
-              continuous_admission=continuous_admission)
+              continuous_admission=continuous_admission, enforce_eager=profile)
     budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_ids)
     params = [SamplingParams(temperature=0.0, max_tokens=n) for n in budgets]
     inputs = [{"prompt_token_ids": ids} for ids in prompt_ids]

@@ -101,15 +101,36 @@ def test_probes_back_off_while_speculation_loses_and_come_back_when_it_wins():
     state, gaps = _adapt([0.1] * 3, costs), []
     for _ in range(6):   # each probe loses: the plain run that triggers the next one doubles, up to PROBE_MAX
         state = adaptive.dataclasses.replace(state, plain_run=state.probe_gap)
-        tier, state = choose(state, 4, policy)
+        tier, _, state = choose(state, 4, policy)
         assert int(tier) == 3
         gaps.append(int(state.probe_gap))
-        tier, state = choose(adaptive.dataclasses.replace(state, plain_run=jnp.asarray(0, jnp.int32)), 4, policy)
+        tier, _, state = choose(adaptive.dataclasses.replace(state, plain_run=jnp.asarray(0, jnp.int32)), 4, policy)
         assert int(tier) == 0 and int(state.probe_gap) == gaps[-1]
     assert gaps == [min(PROBE_EVERY * 2 ** i, PROBE_MAX) for i in range(1, 7)]
     assert gaps[-1] == PROBE_MAX
-    tier, state = choose(adaptive.dataclasses.replace(state, acceptance=jnp.full((3,), 0.9, jnp.float32)), 4, policy)
+    tier, _, state = choose(adaptive.dataclasses.replace(state, acceptance=jnp.full((3,), 0.9, jnp.float32)), 4,
+                            policy)
     assert int(tier) == 3 and int(state.probe_gap) == PROBE_EVERY   # speculation won on its merits
+
+
+@pytest.mark.parametrize("live, steps", [(1, adaptive.SEGMENT), (4, adaptive.SEGMENT), (8, 4), (16, 2), (128, 1)])
+def test_a_probe_verifies_a_set_number_of_drafts_and_weighs_as_a_segment(live, steps):
+    """A probe of many rows is one step, of few a segment; either way its steps move the running rates as far
+    as a segment of ordinary steps would. A choice on the merits runs a segment at the ordinary weight."""
+    policy = SpeculationPolicy("auto", (0, 1, 2, 3))
+    state = _adapt([0.1] * 3, [1.0, 1.3, 1.5, 1.7], plain_run=PROBE_EVERY)
+    tier, probe_steps, probed = jax.jit(adaptive.choose_tier, static_argnums=2)(state, jnp.asarray(live), policy)
+    assert int(tier) == 3 and int(probe_steps) == steps
+    for step in range(steps):   # every first draft accepted at each of the probe's steps
+        probed = adaptive.record(probed, jnp.asarray(step), jnp.asarray(3), jnp.asarray(live),
+                                 jnp.full((live,), 3), jnp.full((live,), 3), jnp.ones((live,), bool))
+    ordinary = adaptive.dataclasses.replace(state, weight=jnp.asarray(adaptive.EMA_WEIGHT, jnp.float32))
+    for step in range(adaptive.SEGMENT):
+        ordinary = adaptive.record(ordinary, jnp.asarray(step), jnp.asarray(3), jnp.asarray(live),
+                                   jnp.full((live,), 3), jnp.full((live,), 3), jnp.ones((live,), bool))
+    np.testing.assert_allclose(probed.acceptance, ordinary.acceptance, rtol=1e-5)
+    tier, segment, merits = adaptive.choose_tier(probed, jnp.asarray(live), policy)
+    assert int(tier) == 3 and int(segment) == adaptive.SEGMENT and float(merits.weight) == adaptive.EMA_WEIGHT
 
 
 def test_the_table_follows_the_live_rows():
@@ -421,6 +442,28 @@ def test_a_head_caught_up_after_plain_steps_equals_one_that_observed_each(tmp_pa
     assert caught.first.tolist() == observed.first.tolist()
     np.testing.assert_allclose(caught.cache.k[:, :, :, :valid], observed.cache.k[:, :, :, :valid], atol=1e-5)
     np.testing.assert_allclose(caught.cache.v[:, :, :, :valid], observed.cache.v[:, :, :, :valid], atol=1e-5)
+
+
+def test_a_head_with_nothing_to_catch_up_is_left_as_it_was_and_traces_no_conditional(tmp_path):
+    """catch_up where no row skipped a pass returns the carry bit for bit, and traces no cond: an untaken
+    branch of a conditional copied the head's whole cache every step of a speculative tier (a loop of at most
+    one trip keeps it in place)."""
+    cfg = LlamaConfig.from_hf_dict(TINY)
+    graph, target_state = nnx.split(FAMILY.random(cfg, seed=0))
+    head = load_eagle_head(write_head(tmp_path / "head", TINY, "eagle3_yuhuili", scale=0.3), "eagle3", cfg,
+                           target_state, np.float32)
+    head_graph, head_state = nnx.split(head)
+    proposer = HeadProposer(head_graph, head, 3, probabilistic=False,
+                            feature_size=cfg.hidden_size * len(head.capture_layers), catch_up_window=PROBE_EVERY)
+    S, B = 64, 2
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 61, (B, S)), jnp.int32)
+    lengths = jnp.asarray([9, 12], jnp.int32)
+    carry = proposer.init(head_state, tokens[:, :12], lengths - 1, S)
+    carry = jax.tree.map(lambda x: x + 1 if x.dtype == jnp.float32 else x, carry)   # not the zeros init writes
+    caught = jax.jit(proposer.catch_up)(head_state, carry, tokens, lengths, _rows(B))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), caught, carry)
+    counts = _primitive_counts(proposer.catch_up, head_state, carry, tokens, lengths, _rows(B))
+    assert counts["cond"] == 0 and counts["while"] == 1
 
 
 def _row0_from(skipped_carry, observed_carry, B: int):

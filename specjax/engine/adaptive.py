@@ -9,9 +9,10 @@ compiled batch, so the step times are per compiled shape and the live count ente
 The choice is one k for every row: a tier's verify pass is one static width for the whole batch, so a row that
 drafted fewer tokens than its tier would save no work, only lose the chance of its drafts being accepted.
 A tier not run stops updating its positions' rates, so after `probe_gap` plain steps in a row the loop runs
-the largest tier for a segment to look again. The gap starts at PROBE_EVERY and doubles after each probe up to
-PROBE_MAX, and a speculative tier chosen on its merits sets it back: where speculation keeps losing, its probes
-cost a segment in every PROBE_MAX / SEGMENT + 1 rather than one in three.
+the largest tier to look again. The gap starts at PROBE_EVERY and doubles after each probe up to PROBE_MAX, and a
+speculative tier chosen on its merits sets it back. A probe runs until about PROBE_SAMPLES first drafts were
+verified (a segment for a few rows, one step for many) and moves the running rates as far as a segment's steps
+would: where speculation keeps losing, many rows pay a losing step per probe rather than a losing segment.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from specjax.config.speculation_policy import PROBE_EVERY, PROBE_MAX, Speculatio
 SEGMENT = 8
 # Weight of the newest step in the running acceptance (about the last 1 / EMA_WEIGHT steps count).
 EMA_WEIGHT = 0.25
+# First drafts a probe verifies: its steps are PROBE_SAMPLES / live rows, from one to a segment.
+PROBE_SAMPLES = 32
 
 
 @jax.tree_util.register_dataclass
@@ -46,6 +49,7 @@ class AdaptState:
     probe_gap: jax.Array     # i32 []: plain iterations in a row after which the largest tier runs again
     k_per_step: jax.Array    # i32 [S]: iteration i drafted k_per_step[i] tokens per row
     live_per_step: jax.Array  # i32 [S]: rows running at iteration i
+    weight: jax.Array        # f32 []: the newest step's weight in the running acceptance (a probe's weigh more)
     inputs: PolicyInputs
 
 
@@ -58,7 +62,8 @@ def init_adapt(k_max: int, max_steps: int, inputs: PolicyInputs) -> AdaptState:
     return AdaptState(acceptance=jnp.ones((k_max,), jnp.float32), plain_run=jnp.zeros((), jnp.int32),
                       probe_gap=jnp.asarray(PROBE_EVERY, jnp.int32),
                       k_per_step=jnp.zeros((max_steps,), jnp.int32),
-                      live_per_step=jnp.zeros((max_steps,), jnp.int32), inputs=inputs)
+                      live_per_step=jnp.zeros((max_steps,), jnp.int32),
+                      weight=jnp.asarray(EMA_WEIGHT, jnp.float32), inputs=inputs)
 
 
 def expected_tokens(acceptance: jax.Array, tiers: tuple[int, ...]) -> jax.Array:
@@ -67,21 +72,28 @@ def expected_tokens(acceptance: jax.Array, tiers: tuple[int, ...]) -> jax.Array:
     return jnp.stack([jnp.sum(reach[:k + 1]) for k in tiers])
 
 
-def choose_tier(adapt: AdaptState, live: jax.Array, policy: SpeculationPolicy) -> tuple[jax.Array, AdaptState]:
-    """The index into policy.tiers of the tier the next segment runs, and the state with its probe gap moved."""
+def choose_tier(adapt: AdaptState, live: jax.Array,
+                policy: SpeculationPolicy) -> tuple[jax.Array, jax.Array, AdaptState]:
+    """The index into policy.tiers of the tier the next segment runs, its length in steps (SEGMENT; fewer for a
+    probe of many rows), and the state with its probe gap and step weight moved."""
     tiers = policy.tiers
+    steps, weight = jnp.asarray(SEGMENT, jnp.int32), jnp.asarray(EMA_WEIGHT, jnp.float32)
     if policy.mode == "table":
         chosen = _table_k(live, policy)
         tier = jnp.argmax(jnp.asarray(tiers) == chosen).astype(jnp.int32)
     else:
         score = expected_tokens(adapt.acceptance, tiers) / adapt.inputs.step_costs
         tier = jnp.argmax(score).astype(jnp.int32)
-        probing = adapt.plain_run >= adapt.probe_gap
+        probing = (adapt.plain_run >= adapt.probe_gap) & (adapt.inputs.forced_tier < 0)
         gap = jnp.where(probing, jnp.minimum(2 * adapt.probe_gap, PROBE_MAX),
                         jnp.where(tier > 0, PROBE_EVERY, adapt.probe_gap))
-        adapt = dataclasses.replace(adapt, probe_gap=gap.astype(jnp.int32))
+        probe_steps = jnp.clip(-(-PROBE_SAMPLES // jnp.maximum(live, 1)), 1, SEGMENT).astype(jnp.int32)
+        steps = jnp.where(probing, probe_steps, steps)
+        weight = jnp.where(probing, 1 - (1 - EMA_WEIGHT) ** (SEGMENT / probe_steps), weight).astype(jnp.float32)
         tier = jnp.where(probing, len(tiers) - 1, tier)
-    return jnp.where(adapt.inputs.forced_tier >= 0, adapt.inputs.forced_tier, tier), adapt
+        adapt = dataclasses.replace(adapt, probe_gap=gap.astype(jnp.int32))
+    adapt = dataclasses.replace(adapt, weight=weight)
+    return jnp.where(adapt.inputs.forced_tier >= 0, adapt.inputs.forced_tier, tier), steps, adapt
 
 
 def _table_k(live: jax.Array, policy: SpeculationPolicy) -> jax.Array:
@@ -103,7 +115,7 @@ def record(adapt: AdaptState, step: jax.Array, k: jax.Array, live: jax.Array, of
     hits = jnp.sum(reached & (accepted[:, None] > j), axis=0)
     tries = jnp.sum(reached, axis=0)
     rate = hits / jnp.maximum(tries, 1)
-    acceptance = jnp.where(tries > 0, (1 - EMA_WEIGHT) * adapt.acceptance + EMA_WEIGHT * rate, adapt.acceptance)
+    acceptance = jnp.where(tries > 0, (1 - adapt.weight) * adapt.acceptance + adapt.weight * rate, adapt.acceptance)
     slot = jnp.minimum(step, adapt.k_per_step.shape[0] - 1)
     return dataclasses.replace(
         adapt, acceptance=acceptance, plain_run=jnp.where(k == 0, adapt.plain_run + 1, 0),

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from specjax.config.speculation_policy import SpeculationPolicy
 from specjax.engine import sampling
-from specjax.engine.adaptive import SEGMENT, PolicyInputs, choose_tier, init_adapt, record
+from specjax.engine.adaptive import PolicyInputs, choose_tier, init_adapt, record
 from specjax.engine.draft_tree import DraftTree
 from specjax.engine.proposers.base import Proposer, TargetPass
 from specjax.engine.rejection import rejection_sample
@@ -221,8 +221,8 @@ def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
                            state.counters.num_accepted - before.num_accepted, active)
             return dataclasses.replace(state, adapt=adapt)
 
-        def run(state: LoopState, chosen: jax.Array) -> LoopState:
-            end = state.steps + SEGMENT
+        def run(state: LoopState, chosen: jax.Array, steps: jax.Array) -> LoopState:
+            end = state.steps + steps
             return jax.lax.while_loop(lambda s: chosen & running(s) & (s.steps < end), recorded_step, state)
 
         return run
@@ -230,10 +230,10 @@ def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
     segments = [segment(k) for k in policy.tiers]
 
     def body(state: LoopState) -> LoopState:
-        tier, adapt = choose_tier(state.adapt, jnp.sum(~state.done).astype(jnp.int32), policy)
+        tier, steps, adapt = choose_tier(state.adapt, jnp.sum(~state.done).astype(jnp.int32), policy)
         state = dataclasses.replace(state, adapt=adapt)
         for index, run in enumerate(segments):
-            state = run(state, tier == index)
+            state = run(state, tier == index, steps)
         return state
 
     return body
