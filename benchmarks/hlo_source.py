@@ -140,8 +140,12 @@ def _entry(hlo: str) -> str:
 
 
 def _branch_sets(text: str) -> list[list[str]]:
-    """Each conditional's branch computations in a computation's text."""
-    return [re.findall(r"%?([\w.-]+)", branches) for branches in re.findall(r"branch_computations=\{([^}]*)\}", text)]
+    """Each conditional's branch computations in a computation's text: an indexed one's list, or a boolean one's
+    pair (how the GPU compiler prints a lax.cond)."""
+    indexed = [re.findall(r"%?([\w.-]+)", branches) for branches in re.findall(r"branch_computations=\{([^}]*)\}", text)]
+    boolean = [[false, true] for true, false in   # in the indexed form's order: false is branch 0
+               re.findall(r"true_computation=%?([\w.-]+), false_computation=%?([\w.-]+)", text)]
+    return indexed + boolean
 
 
 def _calls(text: str) -> list[str]:

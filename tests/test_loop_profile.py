@@ -91,6 +91,26 @@ def test_an_instruction_of_several_outputs_launches_like_any_other():
                for i in launches_per_iteration(text))
 
 
+def test_a_boolean_conditional_counts_its_costliest_branch_however_it_is_printed():
+    """The CPU compiler prints a lax.cond's branches as a list, the GPU compiler as a true/false pair: the
+    launches per iteration are the same either way (the pair's were missed before)."""
+    import jax
+    import jax.numpy as jnp
+
+    def f(x, w, n):
+        def body(c):
+            i, x = c
+            return i + 1, jax.lax.cond(jnp.sum(x) > 0, lambda y: jnp.tanh(y @ w), lambda y: y * 2.0, x)
+        return jax.lax.while_loop(lambda c: c[0] < n, body, (0, x))[1]
+
+    text = jax.jit(f).lower(jnp.ones((4, 8)), jnp.ones((8, 8)), 5).compile().as_text()
+    as_pair = re.sub(r"branch_computations=\{%?([\w.-]+), %?([\w.-]+)\}", r"true_computation=%\2, false_computation=%\1",
+                     text)
+    assert as_pair != text
+    assert launches_per_iteration(as_pair) == launches_per_iteration(text)
+    assert sum(launches_per_iteration(text).values()) > 1
+
+
 def test_the_outermost_loop_is_the_one_counted_even_where_an_inner_one_is_larger():
     """Segments of steps, each an inner loop of unknown length (behind a switch here); the count is the outer
     loop's iteration (its costliest branch's segment counted once), not a segment's."""
