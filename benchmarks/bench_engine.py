@@ -237,7 +237,8 @@ def eagle_suite(target: Subject, batches, ks, sizes: Sizes):
     layers, a draft vocabulary of sizes.draft_vocab target ids, the target's embedding shared), random
     weights, synthetic acceptance: draft step time against a target step, and tokens/s against the ideal."""
     cfg = target.cfg
-    head = new_head(cfg, target.state, np.arange(sizes.draft_vocab), default_aux_layer_ids(cfg.num_layers))
+    head = new_head(cfg, target.state, np.arange(sizes.draft_vocab), default_aux_layer_ids(cfg.num_layers),
+                    kernels=nnx.merge(target.graph, target.state).kernels)   # the target's, as a loaded head
     hgraph, hstate = nnx.split(head)
     context = sizes.prompt_len + sizes.new_tokens // 2
     rows = []

@@ -38,6 +38,7 @@ from specjax.engine.proposers.base import NoProposer
 from specjax.engine.proposers.draft_model import DraftModelProposer
 from specjax.engine.proposers.eagle import HeadProposer
 from specjax.engine.runner import Request, WaveRunner
+from specjax.kernels.policy import KernelPolicy
 from specjax.models.eagle import default_aux_layer_ids
 from specjax.sampling_params import SamplingParams
 from specjax.training.trainer import new_head
@@ -65,7 +66,8 @@ def drafter(kind: str, target_cfg, target_state, draft_cfg, smoke: bool) -> Draf
         return Drafter("1b-draft", "draft_model", lambda k, adaptive: (
             DraftModelProposer(graph, k, probabilistic=False, cache_bytes=draft.cache_bytes), state))
     vocab = min(DRAFT_VOCAB, target_cfg.vocab_size // 2) if smoke else DRAFT_VOCAB
-    head = new_head(target_cfg, target_state, np.arange(vocab), default_aux_layer_ids(target_cfg.num_layers))
+    head = new_head(target_cfg, target_state, np.arange(vocab), default_aux_layer_ids(target_cfg.num_layers),
+                    kernels=KernelPolicy())   # the engine's kernels, as a loaded head runs them
     graph, state = nnx.split(head)
     features = target_cfg.hidden_size * max(1, len(head.capture_layers))
     return Drafter("eagle3-head", "eagle3", lambda k, adaptive: (

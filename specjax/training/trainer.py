@@ -50,16 +50,18 @@ class Batch:
 
 
 def new_head(target_cfg: LlamaConfig, target_state: Any, draft_ids: np.ndarray, aux_layer_ids: tuple[int, ...],
-             *, seed: int = 0) -> EagleHead:
+             *, seed: int = 0, kernels: KernelPolicy = KernelPolicy(impl="reference")) -> EagleHead:
     """A fresh EAGLE-3 head for the target: one decoder layer shaped like the target's, the target's
-    embedding (frozen), a final norm and lm_head started from the target's (its draft-vocabulary rows)."""
+    embedding (frozen), a final norm and lm_head started from the target's (its draft-vocabulary rows).
+    kernels: the pure-JAX maths by default, as training needs; a head that only drafts (a benchmark's) takes
+    the engine's policy, as a loaded head does."""
     layers = dataclasses.replace(target_cfg, num_layers=1, architecture="LlamaForCausalLMEagle3",
                                  tie_word_embeddings=False, qk_norm=False)
     cfg = EagleConfig(method="eagle3", layers=layers, target_hidden_size=target_cfg.hidden_size,
                       draft_vocab_size=len(draft_ids), aux_layer_ids=tuple(aux_layer_ids))
     dtype = target_state["embed"][...].dtype
     # Trained under jax.grad: the pure-JAX maths (the Pallas kernels have no derivatives).
-    head = EagleHead(cfg, dtype=dtype, rngs=nnx.Rngs(seed), kernels=KernelPolicy(impl="reference"))
+    head = EagleHead(cfg, dtype=dtype, rngs=nnx.Rngs(seed), kernels=kernels)
     head.embed = Frozen(target_state["embed"][...])
     # Output norm and lm_head start as the target's own: a head that reproduced the target's final hidden
     # state would then reproduce its logits.
