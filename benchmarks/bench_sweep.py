@@ -4,7 +4,7 @@ synthetic_acceptance_length) so that the speed of each choice shows without a tr
 
     PYTHONPATH=. python benchmarks/bench_sweep.py [--shape 8b|smollm2] [--drafter draft|eagle3] [--al 1.2,2.0,3.0]
         [--num 512] [--per-slot N] [--prompt-len 64:256] [--max-tokens 32:512] [--slots 8,32,128,256] [--k 3]
-        [--modes plain,fixed,auto] [--runners admission,waves] [--smoke]
+        [--modes plain,fixed,auto] [--runners admission,waves] [--profile] [--smoke]
 
 Target: the Llama-3.1-8B shape or the default model's (SmolLM2-135M), bf16. Drafter: the Llama-3.2-1B shape
 (8b only) or an EAGLE-3-shaped head for the target (one layer, three captured layers, a 32k draft vocabulary).
@@ -17,6 +17,9 @@ the tokens are not plain decoding's: this measures speed only.
 `--per-slot N` runs the first min(num, N x slots) requests at each slot count, so that small slot counts take
 about as long as large ones (one slot would take 512 requests one at a time). Engines that differ only in their
 acceptance rate run the same programs: the process's compilation cache (common.reuse_compilations) loads them.
+`--profile`: every engine compiled without CUDA graphs (enforce_eager, so the profiler sees each kernel) and its
+timed admission run traced: device busy time and kernels per loop iteration in the row, the costliest kernel kinds
+in $OUT/bench_sweep_profile_<slots>_<al>_<engine>.json (eager tokens/s: compare engines with each other).
 `--smoke`: tiny shapes, 6 requests, 2 slots, a few tokens (checks the script).
 """
 from __future__ import annotations
@@ -32,6 +35,7 @@ from flax import nnx
 
 from benchmarks.common import (LLAMA31_8B, LLAMA32_1B, SMOKE_DRAFT, SMOKE_TARGET, SMOLLM2_135M, print_table,
                                random_model, reuse_compilations, write_json)
+from benchmarks.device_trace import busy_ns, by_kernel, traced_kernels
 from specjax.config import EngineConfig
 from specjax.config.speculation_policy import PROBE_EVERY
 from specjax.engine.proposers.base import NoProposer
@@ -119,6 +123,7 @@ class Sweep:
     shape: str
     k_max: int
     runners: list[str]
+    profile: bool = False
     rows: list[dict] = dataclasses.field(default_factory=list)
     best_fixed: dict = dataclasses.field(default_factory=dict)   # (al, slots, runner) -> tokens/s
 
@@ -127,7 +132,7 @@ class Sweep:
         proposer, draft_state = (NoProposer(), None) if spec is None else self.draft.make(
             spec["num_speculative_tokens"], adaptive)
         config = EngineConfig(model="random", tokenizer="random", max_num_seqs=slots, max_model_len=MAX_MODEL_LEN,
-                              speculative_config=spec).resolve(self.target_cfg)
+                              speculative_config=spec, enforce_eager=self.profile).resolve(self.target_cfg)
         runner = WaveRunner(self.graph, self.state, proposer, draft_state, config, eos_token_ids=(),
                             vocab_size=self.target_cfg.vocab_size, cost_key=f"{self.shape}+{self.draft.name}")
         reqs = self.reqs if self.per_slot is None else self.reqs[:self.per_slot * slots]
@@ -147,8 +152,20 @@ class Sweep:
                 occupancy=occupancy and round(sum(occupancy) / slots, 3),
                 iterations_per_k=adaptive and [a - b for a, b in zip(_iterations_per_k(runner, self.k_max),
                                                                        iterations_before)] or None))
+            if self.profile and mode == "admission":
+                self.rows[-1].update(self._profiled(runner, reqs, f"{slots}_{al}_{name}"))
             print(self.rows[-1], flush=True)
             write_json("bench_sweep", self.rows)
+
+    def _profiled(self, runner: WaveRunner, reqs: list[Request], label: str) -> dict:
+        """The admission run again under the profiler: busy time and kernels per loop iteration (NaN off GPUs),
+        the costliest kinds written to $OUT."""
+        kernels = traced_kernels(lambda: run(runner, reqs, True))
+        iterations = runner.queue_traces[-1].steps
+        write_json(f"bench_sweep_profile_{label.replace(' ', '').replace('<=', 'le')}",
+                   by_kernel(kernels, per=iterations, top=40))
+        return dict(busy_us_per_iteration=round(busy_ns(kernels) / iterations / 1e3, 1) if kernels else float("nan"),
+                    kernels_per_iteration=round(len(kernels) / iterations, 1) if kernels else float("nan"))
 
 
 def main(argv=None) -> None:
@@ -164,6 +181,7 @@ def main(argv=None) -> None:
     parser.add_argument("--k", type=int, default=3, help="the largest k (fixed runs each k from 1)")
     parser.add_argument("--modes", default="plain,fixed,auto")
     parser.add_argument("--runners", default="admission,waves")
+    parser.add_argument("--profile", action="store_true", help="eager engines, their admission runs traced")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 6 requests, 2 slots, a few tokens")
     args = parser.parse_args(argv)
     reuse_compilations()
@@ -179,7 +197,7 @@ def main(argv=None) -> None:
     print(f"{jax.devices()[0].device_kind}: {args.shape} + {draft.name}, {len(reqs)} requests, "
           f"{sum(r.params.max_tokens for r in reqs)} tokens", flush=True)
     modes, runners = args.modes.split(","), args.runners.split(",")
-    sweep = Sweep(target_cfg, graph, state, draft, reqs, args.per_slot, args.shape, args.k, runners)
+    sweep = Sweep(target_cfg, graph, state, draft, reqs, args.per_slot, args.shape, args.k, runners, args.profile)
     for slots in (int(s) for s in args.slots.split(",")):
         if "plain" in modes:   # no drafts, so one run serves every acceptance length
             sweep.measure("plain", None, slots, al=None)

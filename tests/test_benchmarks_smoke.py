@@ -28,6 +28,8 @@ SCRIPTS = sorted(name for lane in LANES for name in lane)
 REAL_MODEL = ("bench_default_model", "bench_eagle")
 # Scripts of the default model whose smoke runs check the script, not the model: the 4-layer chat model instead.
 ON_TINY_CHAT_MODEL = ("bench_admission", "bench_stream")
+# Extra arguments per script: bench_sweep's smoke run takes its profiling path too.
+ARGS = {"bench_sweep": ["--profile"]}
 # Extra environment per script: bench_tp splits its model over two (simulated) CPU devices.
 ENV = {"bench_tp": {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}}
 TIMEOUT_S = 600
@@ -70,8 +72,8 @@ def smoke_runs(request, tmp_path_factory, tiny_chat_model):
     """The smoke runs of the scripts this session tests (a -k selection runs only those)."""
     selected = {item.callspec.params["name"] for item in request.session.items
                 if item.module is request.module and hasattr(item, "callspec")}
-    model_args = {name: ["--model", str(tiny_chat_model)] for name in ON_TINY_CHAT_MODEL}
-    runs = SmokeRuns([name for name in SCRIPTS if name in selected], tmp_path_factory.mktemp("smoke"), model_args)
+    extra_args = {name: ["--model", str(tiny_chat_model)] for name in ON_TINY_CHAT_MODEL} | ARGS
+    runs = SmokeRuns([name for name in SCRIPTS if name in selected], tmp_path_factory.mktemp("smoke"), extra_args)
     yield runs
     runs.stop()
 
