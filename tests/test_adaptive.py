@@ -123,14 +123,15 @@ def test_a_probe_verifies_a_set_number_of_drafts_and_weighs_as_a_segment(live, s
     assert int(tier) == 3 and int(probe_steps) == steps
     for step in range(steps):   # every first draft accepted at each of the probe's steps
         probed = adaptive.record(probed, jnp.asarray(step), jnp.asarray(3), jnp.asarray(live),
-                                 jnp.full((live,), 3), jnp.full((live,), 3), jnp.ones((live,), bool))
-    ordinary = adaptive.dataclasses.replace(state, weight=jnp.asarray(adaptive.EMA_WEIGHT, jnp.float32))
+                                 jnp.full((live,), 3), jnp.full((live,), 3), jnp.ones((live,), bool), probe_steps)
+    ordinary = state
     for step in range(adaptive.SEGMENT):
         ordinary = adaptive.record(ordinary, jnp.asarray(step), jnp.asarray(3), jnp.asarray(live),
                                    jnp.full((live,), 3), jnp.full((live,), 3), jnp.ones((live,), bool))
     np.testing.assert_allclose(probed.acceptance, ordinary.acceptance, rtol=1e-5)
-    tier, segment, merits = adaptive.choose_tier(probed, jnp.asarray(live), policy)
-    assert int(tier) == 3 and int(segment) == adaptive.SEGMENT and float(merits.weight) == adaptive.EMA_WEIGHT
+    tier, segment, _ = adaptive.choose_tier(probed, jnp.asarray(live), policy)
+    assert int(tier) == 3 and int(segment) == adaptive.SEGMENT
+    assert float(adaptive.step_weight(segment)) == adaptive.EMA_WEIGHT
 
 
 def test_the_table_follows_the_live_rows():

@@ -49,7 +49,6 @@ class AdaptState:
     probe_gap: jax.Array     # i32 []: plain iterations in a row after which the largest tier runs again
     k_per_step: jax.Array    # i32 [S]: iteration i drafted k_per_step[i] tokens per row
     live_per_step: jax.Array  # i32 [S]: rows running at iteration i
-    weight: jax.Array        # f32 []: the newest step's weight in the running acceptance (a probe's weigh more)
     inputs: PolicyInputs
 
 
@@ -62,8 +61,7 @@ def init_adapt(k_max: int, max_steps: int, inputs: PolicyInputs) -> AdaptState:
     return AdaptState(acceptance=jnp.ones((k_max,), jnp.float32), plain_run=jnp.zeros((), jnp.int32),
                       probe_gap=jnp.asarray(PROBE_EVERY, jnp.int32),
                       k_per_step=jnp.zeros((max_steps,), jnp.int32),
-                      live_per_step=jnp.zeros((max_steps,), jnp.int32),
-                      weight=jnp.asarray(EMA_WEIGHT, jnp.float32), inputs=inputs)
+                      live_per_step=jnp.zeros((max_steps,), jnp.int32), inputs=inputs)
 
 
 def expected_tokens(acceptance: jax.Array, tiers: tuple[int, ...]) -> jax.Array:
@@ -75,9 +73,9 @@ def expected_tokens(acceptance: jax.Array, tiers: tuple[int, ...]) -> jax.Array:
 def choose_tier(adapt: AdaptState, live: jax.Array,
                 policy: SpeculationPolicy) -> tuple[jax.Array, jax.Array, AdaptState]:
     """The index into policy.tiers of the tier the next segment runs, its length in steps (SEGMENT; fewer for a
-    probe of many rows), and the state with its probe gap and step weight moved."""
+    probe of many rows), and the state with its probe gap moved."""
     tiers = policy.tiers
-    steps, weight = jnp.asarray(SEGMENT, jnp.int32), jnp.asarray(EMA_WEIGHT, jnp.float32)
+    steps = jnp.asarray(SEGMENT, jnp.int32)
     if policy.mode == "table":
         chosen = _table_k(live, policy)
         tier = jnp.argmax(jnp.asarray(tiers) == chosen).astype(jnp.int32)
@@ -89,10 +87,8 @@ def choose_tier(adapt: AdaptState, live: jax.Array,
                         jnp.where(tier > 0, PROBE_EVERY, adapt.probe_gap))
         probe_steps = jnp.clip(-(-PROBE_SAMPLES // jnp.maximum(live, 1)), 1, SEGMENT).astype(jnp.int32)
         steps = jnp.where(probing, probe_steps, steps)
-        weight = jnp.where(probing, 1 - (1 - EMA_WEIGHT) ** (SEGMENT / probe_steps), weight).astype(jnp.float32)
         tier = jnp.where(probing, len(tiers) - 1, tier)
         adapt = dataclasses.replace(adapt, probe_gap=gap.astype(jnp.int32))
-    adapt = dataclasses.replace(adapt, weight=weight)
     return jnp.where(adapt.inputs.forced_tier >= 0, adapt.inputs.forced_tier, tier), steps, adapt
 
 
@@ -104,18 +100,26 @@ def _table_k(live: jax.Array, policy: SpeculationPolicy) -> jax.Array:
     return k
 
 
+def step_weight(segment_steps: jax.Array) -> jax.Array:
+    """The newest step's weight in the running acceptance, for a segment of this many steps: EMA_WEIGHT for a
+    whole segment, more for each step of a shorter probe, so that its steps move the rates as far."""
+    return 1 - (1 - EMA_WEIGHT) ** (SEGMENT / segment_steps)
+
+
 def record(adapt: AdaptState, step: jax.Array, k: jax.Array, live: jax.Array, offered: jax.Array,
-           accepted: jax.Array, active: jax.Array) -> AdaptState:
+           accepted: jax.Array, active: jax.Array, segment_steps: jax.Array | int = SEGMENT) -> AdaptState:
     """The statistics after iteration `step` ran tier k: offered [B] the positions each row's verify pass had
     room for (a position without a draft counts as rejected), accepted [B] the drafts it accepted, active [B]
-    the rows that were running. A position's rate moves only when some row reached it with every earlier draft
-    accepted (the condition of the conditional rate)."""
+    the rows that were running, segment_steps the length of the segment it belongs to (step_weight). A
+    position's rate moves only when some row reached it with every earlier draft accepted (the condition of the
+    conditional rate)."""
     j = jnp.arange(adapt.acceptance.shape[0])[None, :]
     reached = active[:, None] & (offered[:, None] > j) & (accepted[:, None] >= j)
     hits = jnp.sum(reached & (accepted[:, None] > j), axis=0)
     tries = jnp.sum(reached, axis=0)
     rate = hits / jnp.maximum(tries, 1)
-    acceptance = jnp.where(tries > 0, (1 - adapt.weight) * adapt.acceptance + adapt.weight * rate, adapt.acceptance)
+    weight = step_weight(segment_steps)
+    acceptance = jnp.where(tries > 0, (1 - weight) * adapt.acceptance + weight * rate, adapt.acceptance)
     slot = jnp.minimum(step, adapt.k_per_step.shape[0] - 1)
     return dataclasses.replace(
         adapt, acceptance=acceptance, plain_run=jnp.where(k == 0, adapt.plain_run + 1, 0),

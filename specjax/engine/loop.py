@@ -209,7 +209,7 @@ def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
         else:
             step = _tier_step(target, proposer, draft_state, rows, spec, synthetic_rates, k, adaptive=True)
 
-        def recorded_step(state: LoopState) -> LoopState:
+        def recorded_step(state: LoopState, segment_steps: jax.Array) -> LoopState:
             active = ~state.done
             before = state.counters
             # The positions the step paid to verify: every one its budget allows, drafted or not. A proposer
@@ -218,12 +218,13 @@ def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
             state = step(state)
             adapt = record(state.adapt, state.steps - 1, jnp.asarray(k, jnp.int32),
                            jnp.sum(active).astype(jnp.int32), offered,
-                           state.counters.num_accepted - before.num_accepted, active)
+                           state.counters.num_accepted - before.num_accepted, active, segment_steps)
             return dataclasses.replace(state, adapt=adapt)
 
         def run(state: LoopState, chosen: jax.Array, steps: jax.Array) -> LoopState:
             end = state.steps + steps
-            return jax.lax.while_loop(lambda s: chosen & running(s) & (s.steps < end), recorded_step, state)
+            return jax.lax.while_loop(lambda s: chosen & running(s) & (s.steps < end),
+                                      lambda s: recorded_step(s, steps), state)
 
         return run
 
