@@ -13,6 +13,17 @@ from benchmarks.loop_profile import LOOP_FILE, charged, compiled_loop, loop_prof
 from specjax import LLM, SamplingParams
 
 
+@pytest.fixture(autouse=True)
+def _compiled_afresh():
+    """These tests read source lines from compiled programs, and the persistent compilation cache keys a program
+    without them: after an edit that moves a test's lines, a cached program would report the old ones."""
+    import jax
+    before = jax.config.read("jax_enable_compilation_cache")
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", before)
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tiny_checkpoint_factory):
     return tiny_checkpoint_factory("llama")
