@@ -18,7 +18,7 @@ def _compiled_afresh():
     """These tests read source lines from compiled programs, and the persistent compilation cache keys a program
     without them: after an edit that moves a test's lines, a cached program would report the old ones."""
     import jax
-    before = jax.config.read("jax_enable_compilation_cache")
+    before = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     yield
     jax.config.update("jax_enable_compilation_cache", before)
