@@ -4,15 +4,17 @@ decode and verify. V3: 256 FP8 experts of 7168 x 2048 (top 8); V2-Lite: 64 bf16 
 
 The floor reads the distinct experts the step's routing selects (random distinct experts per token) once, over
 the copy bandwidth measured in the same process; each form's error is against the gathered one. `--sweep` times
-launch parameters of the kernel on the calls of a V3 step (routed experts, FP8 projections as one group).
+launch parameters of the kernel on the calls of a V3 step (routed experts, FP8 projections as one group), over
+every axis of SWEEP or those `--sweep-over` names (the others as the default config has them).
 
-    PYTHONPATH=. python benchmarks/bench_grouped_matmul.py [--sweep] [--smoke]
+    PYTHONPATH=. python benchmarks/bench_grouped_matmul.py [--sweep | --sweep-only] [--sweep-over AXES] [--smoke]
 
 Writes $OUT/bench_grouped_matmul.json (and bench_grouped_matmul_sweep.json) and prints each row as it comes.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 
 import jax
@@ -24,7 +26,7 @@ from benchmarks.common import (copy_bandwidth, interpret_kernels, median_time, p
 from benchmarks.device_trace import busy_ns, traced_kernels
 from specjax.kernels.grouped_matmul import grouped_matmul
 from specjax.kernels.grouped_matmul_reference import grouped_matmul_reference
-from specjax.kernels.grouped_matmul_triton import GroupedMatmulConfig, needs_pairs
+from specjax.kernels.grouped_matmul_triton import default_config, needs_pairs
 from specjax.kernels.policy import KernelPolicy
 from specjax.models import random_init
 from specjax.models.fp8 import FP8_BLOCK
@@ -38,8 +40,9 @@ FORMS = {"kernel": ("grouped", KernelPolicy(interpret=interpret_kernels())),
          "xla gathered": ("gathered", KernelPolicy(impl="reference")),
          "xla ragged_dot": ("grouped", KernelPolicy(impl="reference"))}
 # block_n in output columns (128 lost by far when it counted pairs: RESULTS.md); pairs: False loads a stack as
-# it is (impossible for a 2-4 GiB one), True reads it as column pairs (the default)
-SWEEP = dict(block_n=(64, 128, 256), num_warps=(4, 8), num_stages=(3, 5), pairs=(False, True))
+# it is (impossible for a 2-4 GiB one), True reads it as column pairs (the default); f16_rows: False multiplies
+# the bf16 rows as they are, True as scaled float16 (the default)
+SWEEP = dict(block_n=(64, 128, 256), num_warps=(4, 8), num_stages=(3, 5), pairs=(False, True), f16_rows=(False, True))
 
 
 def experts_of(shape: dict, seed: int = 0) -> dict[str, jax.Array]:
@@ -123,23 +126,24 @@ def device_times(run, calls: int = 5) -> tuple[float, float]:
     return busy_ns(kernels) / calls / 1e6, own / calls / 1e6
 
 
-def sweep_rows(shape: dict, bandwidth: float) -> list[dict]:
-    """Launch parameters of the kernel on each of sweep_cases, against the floor (the selected matrices' bytes)."""
+def sweep_rows(shape: dict, bandwidth: float, axes: tuple[str, ...] = tuple(SWEEP)) -> list[dict]:
+    """Launch parameters of the kernel on each of sweep_cases over `axes` of SWEEP (the others the default
+    config's), against the floor (the selected matrices' bytes)."""
     rows = []
     for case in sweep_cases(shape):
         w, scale, sizes = case["w"], case["scale"], case["sizes"]
         x = random_init.normal(jax.random.key(case["rows"]), (case["rows"], w.shape[1]), jnp.bfloat16, scale=1.0)
         want = grouped_matmul_reference(x, w, sizes, scale=scale, block=FP8_BLOCK)
         floor_ms = 1e3 * int((sizes > 0).sum()) * (w[0].nbytes + scale[0].nbytes) / bandwidth
-        for values in itertools.product(*SWEEP.values()):
-            config = GroupedMatmulConfig(**dict(zip(SWEEP, values)))
-            if not config.pairs and needs_pairs(w):   # its offsets need pairs
+        for values in itertools.product(*(SWEEP[axis] for axis in axes)):
+            config = dataclasses.replace(default_config(w.shape[0], w.dtype.itemsize), **dict(zip(axes, values)))
+            if config.pairs is False and needs_pairs(w):   # its offsets need pairs
                 continue
             fn = jax.jit(lambda x, w, scale, sizes, config=config: grouped_matmul(x, w, sizes, scale=scale,
                                                                                 block=FP8_BLOCK, config=config))
             got = fn(x, w, scale, sizes)
             device_ms, kernel_ms = device_times(lambda: fn(x, w, scale, sizes))
-            row = dict(matrix=case["matrix"], rows=case["rows"], **dict(zip(SWEEP, values)),
+            row = dict(matrix=case["matrix"], rows=case["rows"], **{axis: getattr(config, axis) for axis in SWEEP},
                        device_ms=device_ms, kernel_ms=kernel_ms, of_floor=floor_ms / kernel_ms,
                        rel_err=relative_error(got, want))
             rows.append(row)
@@ -151,6 +155,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="also time the kernel's launch parameters")
     parser.add_argument("--sweep-only", action="store_true", help="only the launch parameters")
+    parser.add_argument("--sweep-over", default=",".join(SWEEP), help="the axes swept: " + ", ".join(SWEEP))
     parser.add_argument("--shapes", default=",".join(SHAPES), help="the forms' shapes: " + ", ".join(SHAPES))
     parser.add_argument("--smoke", action="store_true", help="tiny experts, to check the script")
     args = parser.parse_args()
@@ -161,7 +166,11 @@ def main() -> None:
     if not args.sweep_only:
         print("wrote", write_json("bench_grouped_matmul", form_rows(shapes, tokens, bandwidth)))
     if args.sweep or args.sweep_only:
-        print("wrote", write_json("bench_grouped_matmul_sweep", sweep_rows((SMOKE_SHAPES if args.smoke else SHAPES)["v3_fp8"], bandwidth)))
+        axes = tuple(args.sweep_over.split(","))
+        if not set(axes) <= set(SWEEP):
+            parser.error(f"--sweep-over: {sorted(set(axes) - set(SWEEP))} not among {list(SWEEP)}")
+        shape = (SMOKE_SHAPES if args.smoke else SHAPES)["v3_fp8"]
+        print("wrote", write_json("bench_grouped_matmul_sweep", sweep_rows(shape, bandwidth, axes)))
 
 
 if __name__ == "__main__":

@@ -132,6 +132,7 @@ class PtxReport:
     global_copies: dict[str, int]    # asynchronous copies into shared memory by width ("16B": count)
     global_loads: dict[str, int]     # direct loads into registers by instruction
     matrix_ops: dict[str, int]       # mma.sync / wgmma by instruction
+    conversions: dict[str, int]      # conversions between float formats by instruction (cvt.bf16.f16: 1 element)
 
 
 def kernel_reports(dump: Path, prefix: str = "specjax_") -> list[PtxReport]:
@@ -146,7 +147,8 @@ def kernel_reports(dump: Path, prefix: str = "specjax_") -> list[PtxReport]:
                 global_copies=_counts(r"cp\.async\.\w+\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+|\d+)", text,
                                       lambda width: f"{int(width, 0)}B"),
                 global_loads=_counts(r"(ld\.global[\w.:]*)", text),
-                matrix_ops=_counts(r"((?:wgmma\.mma_async|mma\.sync)[\w.]*)", text)))
+                matrix_ops=_counts(r"((?:wgmma\.mma_async|mma\.sync)[\w.]*)", text),
+                conversions=_counts(r"(cvt(?:\.\w+)*\.(?:bf16|f16|f32|e4m3|e5m2)\w*(?:\.\w+)*)\s", text)))
     return reports
 
 

@@ -26,14 +26,20 @@ def run_for_h200(tmp_path: Path, *args: str) -> None:
     subprocess.run([sys.executable, *args], cwd=ROOT, env=env, check=True, timeout=900)
 
 
-def test_the_kernels_assemble_without_spilling_and_a_tree_costs_the_causal_pass_code(tmp_path):
+def test_the_kernels_assemble_without_spilling_a_tree_costs_the_causal_pass_code_and_fp8_converts_once(tmp_path):
     run_for_h200(tmp_path, "-m", "benchmarks.gpu_target", "--smoke")
-    reports = {row["case"]: row for row in json.loads((tmp_path / "gpu_target_kernels.json").read_text())["rows"]}
-    assert len(reports) == 4 and all(row["spill_bytes"] == 0 for row in reports.values()), reports
-    tree, causal = (reports[f"default model attention, {case}"] for case in ("tree of 32", "causal pass of 33"))
+    rows = json.loads((tmp_path / "gpu_target_kernels.json").read_text())["rows"]
+    reports = {(row["case"], row["kernel"]): row for row in rows}
+    assert len(reports) == len(rows) == 5 and all(row["spill_bytes"] == 0 for row in rows), rows
+    tree, causal = (reports[f"default model attention, {case}", "specjax_decode_attention"]
+                    for case in ("tree of 32", "causal pass of 33"))
     # The tree's mask is bits tested in the one block loop: no second loop, no gathered loads.
     assert tree["matrix_ops"] == causal["matrix_ops"]
     assert tree["global_copies"] == causal["global_copies"]
+    # bf16 rows meet FP8 experts as float16: one packed conversion per two codes, none per element into bf16.
+    experts = reports["V3 experts, 32 FP8, 8 rows", "specjax_grouped_matmul"]
+    assert all(".f16.f16." in op for op in experts["matrix_ops"]), experts
+    assert set(experts["conversions"]) == {"cvt.rn.f16x2.e4m3x2"}, experts
 
 
 def test_the_loops_compile_speculation_leaves_the_targets_pass_as_it_is_and_adapting_costs_no_memory(tmp_path):

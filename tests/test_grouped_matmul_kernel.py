@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from specjax.kernels.grouped_matmul import grouped_matmul
 from specjax.kernels.grouped_matmul_reference import grouped_matmul_reference
-from specjax.kernels.grouped_matmul_triton import (BLOCK_M, GroupedMatmulConfig, default_pairs, grouped_matmul_triton,
-                                                   max_tiles, needs_pairs, tile_table)
+from specjax.kernels.grouped_matmul_triton import (BLOCK_M, GroupedMatmulConfig, default_pairs, f16_rows,
+                                                   grouped_matmul_triton, max_tiles, needs_pairs, tile_table)
 from specjax.kernels.policy import KernelPolicy, has_kernels
 from specjax.models.fp8 import dequantize_blocks, quantize_blocks
 
@@ -157,6 +157,62 @@ def test_fp8_stacks_are_read_as_pairs_and_must_be_where_offsets_overflow():
     with pytest.raises(ValueError, match="pairs=True needs a 1-byte stack"):
         grouped_matmul_triton(jnp.ones((2, 16)), jnp.ones((1, 16, 8)), jnp.asarray([2], jnp.int32),
                               config=GroupedMatmulConfig(pairs=True), interpret=True)
+
+
+def rows_across_magnitudes(seed: int, rows: int, k: int) -> jax.Array:
+    """bf16 rows each scaled by its own power of two from 2^-100 to 2^100 (float16's range is 2^-24 to 2^16), one
+    of them spanning 2^-60 to 2^10 within itself, one zero."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, k)) * np.exp2(rng.integers(-100, 101, (rows, 1)))
+    x[0] = rng.choice([-1, 1], k) * np.exp2(rng.uniform(-60, 10, k))
+    x[1] = 0
+    return jnp.asarray(x, jnp.bfloat16)
+
+
+def test_f16_rows_hold_each_bf16_row_exactly_once_scaled():
+    """f16_rows: each row's largest magnitude lands in [2^14, 2^15) and scaling back returns every element of at
+    least 2^-28 of it exactly; smaller ones within 2^-39 of it."""
+    x = rows_across_magnitudes(7, 12, 300)
+    x16, unscale = jax.jit(f16_rows, static_argnums=1)(x, True)
+    assert x16.dtype == jnp.float16 and unscale.shape == (12,)
+    exact = np.asarray(x, np.float64)
+    back = np.asarray(x16, np.float64) * np.asarray(unscale, np.float64)[:, None]
+    amax = np.abs(exact).max(axis=1, keepdims=True)
+    live = amax[:, 0] > 0
+    assert (np.abs(np.asarray(x16, np.float64)).max(axis=1)[live] >= 2 ** 14).all()
+    assert (np.abs(np.asarray(x16, np.float64)).max(axis=1) < 2 ** 15).all()
+    large = np.abs(exact) >= 2.0 ** -28 * amax
+    np.testing.assert_array_equal(back[large], exact[large])
+    assert (np.abs(back - exact) <= 2.0 ** -39 * amax).all()
+
+
+@pytest.mark.parametrize("pairs", [True, False])
+def test_bf16_rows_meet_an_fp8_stack_as_float16_with_the_same_products(pairs):
+    """bf16 rows against an FP8 stack go to the kernel as scaled float16 (the default) and give what the bf16 rows
+    give, at magnitudes float16 alone could not hold (2^-100 to 2^100): the same outputs in interpret mode, finite,
+    each within a bf16 rounding of the float64 oracle's."""
+    k, n, block = 200, 150, (64, 32)
+    w, scale = make_stack(8, len(SIZES), k, n, jnp.bfloat16, block)
+    x = rows_across_magnitudes(9, sum(SIZES), k)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    run = {f16: grouped_matmul_triton(x, w, sizes, scale=scale, block=block, interpret=True,
+                                      config=GroupedMatmulConfig(block_n=16, pairs=pairs, f16_rows=f16))
+           for f16 in (None, False)}
+    got = np.asarray(run[None].astype(jnp.float32), np.float64)
+    np.testing.assert_array_equal(got, np.asarray(run[False].astype(jnp.float32), np.float64))
+    want = oracle(x, w, SIZES, scale, block)
+    magnitude = oracle(jnp.abs(x.astype(jnp.float32)), jnp.abs(dequantize_stack_f32(w, scale, block)), SIZES,
+                       None, None)   # sum |x w| per output: the scale of fp32 accumulation's rounding
+    assert np.isfinite(got).all()
+    assert (np.abs(got - want) <= 2.0 ** -8 * np.abs(want) + 1e-5 * magnitude).all()
+    with pytest.raises(ValueError, match="f16_rows=True needs bfloat16 rows and a 1-byte stack"):
+        grouped_matmul_triton(x.astype(jnp.float32), w, sizes, scale=scale, block=block, interpret=True,
+                              config=GroupedMatmulConfig(f16_rows=True))
+
+
+def dequantize_stack_f32(w, scale, block):
+    """The stack's matrices dequantized to float32, [G, K, N]."""
+    return jnp.stack([dequantize_blocks(w[g], scale[g], block) for g in range(w.shape[0])])
 
 
 def fake_device(platform, capability=None):

@@ -111,22 +111,23 @@ def test_top_k_top_p_search_lowers(triton_modules, vocab, config):
     assert_verified(triton_modules)
 
 
-@pytest.mark.parametrize("rows, shape, fp8_rows, pairs", [
-    (8, (16, 256, 256), False, None),    # decode: an FP8 expert stack loaded as it is, K split
-    (8, (16, 256, 256), False, True),    # the same read as column pairs (a 2-4 GiB stack)
-    (8, (16, 256, 256), True, None),     # FP8 x FP8
-    (8, (16, 256, 256), True, True),
-    (1, (1, 512, 256), False, None),     # one dense FP8 matrix
-    (3, (2, 200, 150), False, None),     # edge blocks: masked FP8 loads
-    (3, (2, 200, 150), False, True),
-    (5000, (4, 256, 128), False, None),  # prefill: no K split
+@pytest.mark.parametrize("rows, shape, fp8_rows, pairs, f16_rows", [
+    (8, (16, 256, 256), False, None, None),    # decode: an FP8 expert stack (read as pairs), K split, f16 rows
+    (8, (16, 256, 256), False, False, None),   # the same loaded as it is
+    (8, (16, 256, 256), False, None, False),   # bf16 rows as they are
+    (8, (16, 256, 256), True, None, None),     # FP8 x FP8
+    (8, (16, 256, 256), True, False, None),
+    (1, (1, 512, 256), False, None, None),     # one dense FP8 matrix
+    (3, (2, 200, 150), False, None, None),     # edge blocks: masked FP8 loads
+    (3, (2, 200, 150), False, False, None),
+    (5000, (4, 256, 128), False, None, None),  # prefill: no K split
 ])
-def test_grouped_matmul_kernel_lowers(triton_modules, rows, shape, fp8_rows, pairs):
+def test_grouped_matmul_kernel_lowers(triton_modules, rows, shape, fp8_rows, pairs, f16_rows):
     groups, k, n = shape
     x = jnp.zeros((rows, k), jnp.bfloat16)
     w = jnp.zeros(shape, jnp.float8_e4m3fn)
     scale = jnp.ones((groups, -(-k // 128), -(-n // 128)), jnp.float32)
-    config = dataclasses.replace(default_config(groups, 1), pairs=pairs)
+    config = dataclasses.replace(default_config(groups, 1), pairs=pairs, f16_rows=f16_rows)
     lower_for_cuda(lambda x, w, s, g: grouped_matmul_triton(x, w, g, scale=s, block=(128, 128), config=config,
                                                             fp8_rows=fp8_rows),
                    x, w, scale, jnp.zeros((groups,), jnp.int32))

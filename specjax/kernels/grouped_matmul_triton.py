@@ -16,6 +16,12 @@ group).
   elements get 8-byte ones, which outweighs the unpacking (25-40% faster on the H200: benchmarks/RESULTS.md).
   A stack of 2 to 4 GiB must be read so: Pallas computes element offsets in int32 up to 4 GiB of array (64-bit
   past it), and those of a 1-byte array overflow from 2 GiB. Odd column counts are loaded as they are.
+- bf16 rows meet an FP8 stack as float16 rows (`f16_rows`), each scaled by the power of two that puts its largest
+  value in [2^14, 2^15), undone on the results: e4m3 codes become float16 in one packed conversion per two, where
+  bfloat16 takes a second conversion per element, and conversions run on a narrow pipe (compiled for the H200, the
+  K loop's conversions go from 96 to 32 per chunk and thread: benchmarks/RESULTS.md, "float16 rows for FP8
+  stacks"). The products are the bf16 row's exactly, except for elements below 2^-28 of the row's largest, which
+  round by at most 2^-39 of it.
 - `fp8_rows`: an FP8 stack multiplies FP8 rows instead, each row's K chunk (a scale block's rows, 128 in
   DeepSeek's checkpoints) quantized to e4m3 with its own scale (amax / 448: DeepSeek-V3's activation scheme, as
   vLLM runs block-FP8 checkpoints): an FP8 x FP8 dot and no conversion of the weights in the loop, at the cost
@@ -54,6 +60,7 @@ class GroupedMatmulConfig:
     num_stages: int = 3
     k_splits: int | None = None   # None: default_k_splits
     pairs: bool | None = None     # a 1-byte stack read as uint16 column pairs; None: wherever columns are even
+    f16_rows: bool | None = None  # bf16 rows as scaled float16 against a 1-byte stack; None: wherever they meet
 
 
 def default_config(groups: int, itemsize: int) -> GroupedMatmulConfig:
@@ -122,6 +129,12 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     rows, in_features = x.shape
     groups, _, out_features = w.shape
     config = config or default_config(groups, w.dtype.itemsize)
+    out_dtype = x.dtype
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
+    fp8_rows = fp8_rows and w.dtype.itemsize == 1
+    unscale = None
+    if _as_f16(x, w, config, fp8_rows):
+        x, unscale = f16_rows(x, interpret)
     pairs = _read_as_pairs(w, config)
     stored = _as_pairs(w) if pairs else w
     block_n = config.block_n // 2 if pairs else config.block_n
@@ -130,25 +143,82 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     splits = 1 if rows > MAX_SPLIT_ROWS else config.k_splits or default_k_splits(column_blocks, k_chunks)
     chunks_per_split = pl.cdiv(k_chunks, splits)
     splits = pl.cdiv(k_chunks, chunks_per_split)
-    args = [*tile_table(group_sizes, rows), x, stored] + ([scale] if scale is not None else [])
+    args = [*tile_table(group_sizes, rows), x, stored] + [a for a in (scale, unscale) if a is not None]
     kernel = functools.partial(
-        _grouped_kernel, pairs=pairs, weight_dtype=w.dtype, has_scale=scale is not None, in_features=in_features,
-        out_features=out_features, block_k=block_k, block_n=block_n, chunks_per_split=chunks_per_split,
-        whole_tiles=in_features % block_k == 0 and stored.shape[2] % block_n == 0,
-        fp8_rows=fp8_rows and w.dtype.itemsize == 1,
-        scale_block_n=block[1] if scale is not None else 1,
-        precision=lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT)
+        _grouped_kernel, pairs=pairs, weight_dtype=w.dtype, has_scale=scale is not None,
+        has_unscale=unscale is not None, in_features=in_features, out_features=out_features, block_k=block_k,
+        block_n=block_n, chunks_per_split=chunks_per_split,
+        whole_tiles=in_features % block_k == 0 and stored.shape[2] % block_n == 0, fp8_rows=fp8_rows,
+        scale_block_n=block[1] if scale is not None else 1, precision=precision)
     partials = pl.pallas_call(
         kernel,
         grid=(max_tiles(rows, groups), column_blocks, splits),
         in_specs=[pl.BlockSpec() for _ in args],   # unblocked: the kernel indexes its rows, group and columns
         out_specs=pl.BlockSpec(),
-        out_shape=jax.ShapeDtypeStruct((splits, rows, out_features), x.dtype if splits == 1 else jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((splits, rows, out_features), out_dtype if splits == 1 else jnp.float32),
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="specjax_grouped_matmul",
     )(*args)
-    return functools.reduce(jnp.add, list(partials)).astype(x.dtype)   # in split order: one rounding, always
+    return functools.reduce(jnp.add, list(partials)).astype(out_dtype)   # in split order: one rounding, always
+
+
+def f16_rows(x: jax.Array, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Rows [M, K] as float16, each times the power of two that puts its largest magnitude in [2^14, 2^15), and
+    the powers of two that undo it [M] (float32), in one launch (a program per row: its largest magnitude, then
+    the scaled copy; XLA's fusions made three). Rows below 2^-112 keep a smaller largest value, so that both
+    factors stay normal float32."""
+    rows, in_features = x.shape
+    block_k = min(1024, pl.next_power_of_2(in_features))
+    return pl.pallas_call(
+        functools.partial(_f16_rows_kernel, block_k=block_k),
+        grid=(rows,),
+        in_specs=[pl.BlockSpec()],
+        out_specs=[pl.BlockSpec(), pl.BlockSpec()],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float16), jax.ShapeDtypeStruct((rows,), jnp.float32)],
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="specjax_f16_rows",
+    )(x)
+
+
+def _f16_rows_kernel(x_ref, out_ref, unscale_ref, *, block_k: int) -> None:
+    """One row: the largest magnitude over K in chunks, its float32 exponent field E (largest < 2^(E-126)),
+    then the row times 2^(141-E) as float16 and 2^(E-141) stored to undo it, both built from their bits."""
+    row, in_features = pl.program_id(0), x_ref.shape[1]
+    chunks = pl.cdiv(in_features, block_k)
+
+    def chunk(c):
+        ks = c * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        return ks, ks < in_features
+
+    def largest(c, amax):
+        ks, ok = chunk(c)
+        values = plt.load(x_ref.at[row, ks], mask=ok, other=0.0).astype(jnp.float32)
+        return jnp.maximum(amax, jnp.max(jnp.abs(values)))
+
+    amax = lax.fori_loop(0, chunks, largest, jnp.float32(0))
+    field = jnp.clip(lax.bitcast_convert_type(amax, jnp.int32) >> 23, 15, 254)
+    scale = lax.bitcast_convert_type((268 - field) << 23, jnp.float32)
+
+    def store(c, carry):
+        ks, ok = chunk(c)
+        values = plt.load(x_ref.at[row, ks], mask=ok, other=0.0).astype(jnp.float32)
+        plt.store(out_ref.at[row, ks], (values * scale).astype(jnp.float16), mask=ok)
+        return carry
+
+    lax.fori_loop(0, chunks, store, 0)
+    unscale_ref[row] = lax.bitcast_convert_type((field - 14) << 23, jnp.float32)
+
+
+def _as_f16(x: jax.Array, w: jax.Array, config: GroupedMatmulConfig, fp8_rows: bool) -> bool:
+    """Whether rows go to the kernel as scaled float16: config.f16_rows, or by default where bf16 rows meet a
+    1-byte stack (not under fp8_rows, which quantizes them instead)."""
+    meets = x.dtype == jnp.bfloat16 and w.dtype.itemsize == 1 and not fp8_rows
+    if config.f16_rows and not meets:
+        raise ValueError(f"GroupedMatmulConfig.f16_rows=True needs bfloat16 rows and a 1-byte stack (fp8_rows off), "
+                         f"got {x.dtype} rows and a {w.dtype} stack")
+    return meets if config.f16_rows is None else config.f16_rows
 
 
 def _read_as_pairs(w: jax.Array, config: GroupedMatmulConfig) -> bool:
@@ -174,7 +244,8 @@ def _as_pairs(w: jax.Array) -> jax.Array:
 
 
 def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, *refs, pairs: bool, weight_dtype,
-                    has_scale: bool, in_features: int, out_features: int, block_k: int, block_n: int,
+                    has_scale: bool, has_unscale: bool, in_features: int, out_features: int, block_k: int,
+                    block_n: int,
                     chunks_per_split: int, whole_tiles: bool, fp8_rows: bool, scale_block_n: int,
                     precision: lax.Precision) -> None:
     """One (tile, column block, K split): nothing for an empty tile; else the K loop over the split's chunks of
@@ -182,6 +253,7 @@ def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, *refs, pairs: b
     phase into the split's partial output. Where the blocks tile the stack whole (`whole_tiles`, every DeepSeek
     shape), weight and scale loads go unmasked: no per-element predicates in the loop that streams the bytes."""
     scale_ref = refs[0] if has_scale else None
+    unscale_ref = refs[-2] if has_unscale else None
     out_ref = refs[-1]
     tile, split = pl.program_id(0), pl.program_id(2)
     group, first, end = group_ref[tile], first_ref[tile], end_ref[tile]
@@ -218,6 +290,9 @@ def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, *refs, pairs: b
         first_chunk = split * chunks_per_split
         last_chunk = jnp.minimum(first_chunk + chunks_per_split, pl.cdiv(in_features, block_k))
         totals = lax.fori_loop(first_chunk, last_chunk, accumulate, (zero,) * phases)
+        if unscale_ref is not None:
+            row_unscale = plt.load(unscale_ref.at[row], mask=row_ok, other=0.0)[:, None]
+            totals = tuple(total * row_unscale for total in totals)
         for total, cols in zip(totals, out_cols):
             plt.store(out_ref.at[split, row[:, None], cols[None, :]], total.astype(out_ref.dtype),
                       mask=row_ok[:, None] & (cols < out_features)[None, :])
