@@ -56,8 +56,9 @@ class KernelPolicy:
     dense_kernel_max_plain_rows: int = 16
     # FP8 stacks in the kernel multiply FP8 activations (each row's chunk of a scale block's rows quantized to e4m3
     # with its own scale, as DeepSeek-V3's inference and vLLM do): no weight conversion in the kernel's loop, rows
-    # rounded to e4m3. Off: rows stay in their dtype and the weights are converted to it (what the reference
-    # computes, and what runs off the kernels whatever this says).
+    # rounded to e4m3. Off: the rows keep their values and the weights are converted (what the reference computes,
+    # and what runs off the kernels whatever this says); bf16 rows enter the kernel as power-of-two-scaled
+    # float16, the same products (kernels/grouped_matmul_triton.py).
     fp8_activations: bool = False
 
     def __post_init__(self) -> None:
