@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specjax.kernels import grouped_matmul_triton as grouped_matmul_triton_module
 from specjax.kernels.grouped_matmul import grouped_matmul
 from specjax.kernels.grouped_matmul_reference import grouped_matmul_reference
 from specjax.kernels.grouped_matmul_triton import (BLOCK_M, GroupedMatmulConfig, default_pairs, f16_rows,
@@ -169,11 +170,15 @@ def rows_across_magnitudes(seed: int, rows: int, k: int) -> jax.Array:
     return jnp.asarray(x, jnp.bfloat16)
 
 
-def test_f16_rows_hold_each_bf16_row_exactly_once_scaled():
+@pytest.mark.parametrize("block", [None, 64])
+def test_f16_rows_hold_each_bf16_row_exactly_once_scaled(block, monkeypatch):
     """f16_rows: each row's largest magnitude lands in [2^14, 2^15) and scaling back returns every element of at
-    least 2^-28 of it exactly; smaller ones within 2^-39 of it."""
+    least 2^-28 of it exactly; smaller ones within 2^-39 of it. A row is one block, or (block 64) a loop over
+    blocks, the last one partly past the row."""
+    if block:
+        monkeypatch.setattr(grouped_matmul_triton_module, "F16_ROWS_BLOCK", block)
     x = rows_across_magnitudes(7, 12, 300)
-    x16, unscale = jax.jit(f16_rows, static_argnums=1)(x, True)
+    x16, unscale = f16_rows(x, interpret=True)
     assert x16.dtype == jnp.float16 and unscale.shape == (12,)
     exact = np.asarray(x, np.float64)
     back = np.asarray(x16, np.float64) * np.asarray(unscale, np.float64)[:, None]

@@ -47,6 +47,8 @@ BLOCK_M = 16
 # the tiles themselves are enough and K is not split (its partial products would outgrow the output).
 _TARGET_PROGRAMS = 4 * 132
 MAX_SPLIT_ROWS = 4096
+# The widest block of a row f16_rows loads at once.
+F16_ROWS_BLOCK = 32768
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,14 +171,16 @@ def f16_rows(x: jax.Array, interpret: bool = False) -> tuple[jax.Array, jax.Arra
     the scaled copy; XLA's fusions made three). Rows below 2^-112 keep a smaller largest value, so that both
     factors stay normal float32."""
     rows, in_features = x.shape
-    block_k = min(1024, pl.next_power_of_2(in_features))
+    # A row of up to 32768 values is one block, loaded at once: a chunk loop's loads wait on each other, and
+    # at one row (a decode step) the launch is that one program.
+    block_k = min(F16_ROWS_BLOCK, pl.next_power_of_2(in_features))
     return pl.pallas_call(
         functools.partial(_f16_rows_kernel, block_k=block_k),
         grid=(rows,),
         in_specs=[pl.BlockSpec()],
         out_specs=[pl.BlockSpec(), pl.BlockSpec()],
         out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float16), jax.ShapeDtypeStruct((rows,), jnp.float32)],
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=min(16, max(4, block_k // 1024)), num_stages=1),
         interpret=interpret,
         name="specjax_f16_rows",
     )(x)
