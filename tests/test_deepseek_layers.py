@@ -13,6 +13,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from deepseek_checkpoints import (
     FP8_QUANTIZED,
     YARN_EQUAL_MSCALE,
@@ -401,6 +403,32 @@ def test_routing_matches_transformers_router(variant):
         ungrouped, _ = moe.route(jnp.asarray(x), weights["w_router"], weights.get("router_bias"),
                                  moe.Routing(routing.num_experts_per_tok, routing.scoring, "greedy"))
         assert (np.sort(np.asarray(ungrouped), -1) != got_ids).any(axis=-1).mean() > 0.05
+
+
+def top_groups_oracle(choice: np.ndarray, routing: moe.Routing) -> np.ndarray:
+    """numpy: each token's group scores (sum of the two best, or the best), the topk_group best groups by a
+    stable sort (ties to the lower index, as lax.top_k), the experts of the others set to -inf."""
+    grouped = choice.reshape(choice.shape[0], routing.n_group, -1)
+    ordered = -np.sort(-grouped, axis=-1)
+    scores = ordered[..., :2].sum(-1) if routing.topk_method == "noaux_tc" else ordered[..., 0]
+    out = np.full_like(grouped, -np.inf)
+    for token, row in enumerate(scores):
+        for group in np.argsort(-row, kind="stable")[:routing.topk_group]:
+            out[token, group] = grouped[token, group]
+    return out.reshape(choice.shape)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2 ** 31 - 1), st.sampled_from([(1, 4), (2, 3), (4, 2), (8, 4)]), st.integers(1, 8),
+       st.sampled_from(["noaux_tc", "group_limited_greedy"]))
+def test_the_group_limit_ranks_groups_as_top_k_ties_included(seed, groups, topk_group, method):
+    """_within_top_groups against a sort-based oracle on scores drawn from a few values, so that experts and
+    groups tie: the same groups kept, the same values, bit for bit."""
+    n_group, per_group = groups
+    routing = moe.Routing(2, "sigmoid", method, n_group, min(topk_group, n_group))
+    choice = np.random.default_rng(seed).choice(np.float32([0.125, 0.25, 0.5, 0.75]), (16, n_group * per_group))
+    got = np.asarray(moe._within_top_groups(jnp.asarray(choice), routing))
+    np.testing.assert_array_equal(got, top_groups_oracle(choice, routing))
 
 
 @functools.partial(jax.jit, static_argnames=("routing", "policies"))

@@ -85,15 +85,22 @@ def route(x: jax.Array, w_router: jax.Array, router_bias: jax.Array | None,
 
 def _within_top_groups(choice: jax.Array, routing: Routing) -> jax.Array:
     """choice [N, E] with the experts outside each token's top topk_group groups set to -inf.
-    (transformers' V2 sets them to 0; its softmax scores are positive, so the same experts win.)"""
+    (transformers' V2 sets them to 0; its softmax scores are positive, so the same experts win.)
+    Reductions and compares only, the groups ranked as lax.top_k ranks them (ties to the lower index): at
+    decode XLA fuses these where two top_k calls were two sorts or top-k kernels and their scatter."""
     num_tokens, num_experts = choice.shape
     grouped = choice.reshape(num_tokens, routing.n_group, num_experts // routing.n_group)
-    if routing.topk_method == "noaux_tc":
-        group_scores = lax.top_k(grouped, 2)[0].sum(axis=-1)
+    best = grouped.max(axis=-1)
+    if routing.topk_method == "noaux_tc":   # the sum of a group's two best: its best plus the best of the rest
+        first = jnp.argmax(grouped, axis=-1)
+        rest = jnp.where(jnp.arange(grouped.shape[-1]) == first[..., None], -jnp.inf, grouped)
+        group_scores = best + rest.max(axis=-1)
     else:
-        group_scores = grouped.max(axis=-1)
-    _, top_groups = lax.top_k(group_scores, routing.topk_group)
-    kept = jax.nn.one_hot(top_groups, routing.n_group, dtype=jnp.bool_).any(axis=1)   # [N, n_group]
+        group_scores = best
+    index = jnp.arange(routing.n_group)
+    mine, other = group_scores[:, :, None], group_scores[:, None, :]
+    ahead = (other > mine) | ((other == mine) & (index[None, None, :] < index[None, :, None]))
+    kept = ahead.sum(axis=-1) < routing.topk_group                                   # [N, n_group]
     return jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(num_tokens, num_experts)
 
 
