@@ -17,6 +17,7 @@ from specjax.kernels.grouped_matmul_reference import grouped_matmul_reference
 from specjax.kernels.grouped_matmul_triton import (BLOCK_M, GroupedMatmulConfig, default_pairs, f16_rows,
                                                    grouped_matmul_triton, max_tiles, needs_pairs, tile_table)
 from specjax.kernels.policy import KernelPolicy, has_kernels
+from specjax.kernels.projection_reference import rms_norm
 from specjax.models.fp8 import dequantize_blocks, quantize_blocks
 
 INTERPRET = KernelPolicy(interpret=True)
@@ -189,6 +190,26 @@ def test_f16_rows_hold_each_bf16_row_exactly_once_scaled(block, monkeypatch):
     large = np.abs(exact) >= 2.0 ** -28 * amax
     np.testing.assert_array_equal(back[large], exact[large])
     assert (np.abs(back - exact) <= 2.0 ** -39 * amax).all()
+
+
+@pytest.mark.parametrize("block", [None, 64])
+def test_f16_rows_normalise_the_rows_as_rms_norm_does(block, monkeypatch):
+    """f16_rows with a norm: the rows of rms_norm(x, weight, eps), scaled; its mean square is summed in the
+    kernel's order, so a value may round one bf16 step apart from XLA's norm, and almost none does."""
+    if block:
+        monkeypatch.setattr(grouped_matmul_triton_module, "F16_ROWS_BLOCK", block)
+    x = rows_across_magnitudes(10, 12, 300)
+    weight = jnp.asarray(np.random.default_rng(11).uniform(0.5, 2.0, 300), jnp.bfloat16)
+    x16, unscale = f16_rows(x, interpret=True, norm=(weight, 1e-6))
+    got = np.asarray(x16, np.float64) * np.asarray(unscale, np.float64)[:, None]
+    want = np.asarray(rms_norm(x, weight, 1e-6), np.float64)
+    amax = np.abs(want).max(axis=1, keepdims=True)
+    assert np.isfinite(got).all()
+    # one bf16 step of the norm's rounding, or float16's rounding of values below 2^-28 of the row's largest
+    assert (np.abs(got - want) <= 2.0 ** -7 * np.abs(want) + 2.0 ** -39 * amax).all()
+    assert (got == want)[np.abs(want) >= 2.0 ** -28 * amax].mean() > 0.99
+    with pytest.raises(ValueError, match="must not widen"):
+        f16_rows(x, interpret=True, norm=(weight.astype(jnp.float32), 1e-6))
 
 
 @pytest.mark.parametrize("pairs", [True, False])

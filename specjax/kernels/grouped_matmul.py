@@ -8,26 +8,32 @@ import jax.numpy as jnp
 from specjax.kernels.grouped_matmul_reference import grouped_matmul_reference
 from specjax.kernels.grouped_matmul_triton import GroupedMatmulConfig, grouped_matmul_triton
 from specjax.kernels.policy import KernelPolicy
+from specjax.kernels.projection_reference import rms_norm
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, scale: jax.Array | None = None,
                    block: tuple[int, int] | None = None, kernels: KernelPolicy = KernelPolicy(),
-                   config: GroupedMatmulConfig | None = None) -> jax.Array:
+                   config: GroupedMatmulConfig | None = None,
+                   norm: tuple[jax.Array, float] | None = None) -> jax.Array:
     """x [M, K] @ w[g] row by row for w [G, K, N], the rows sorted by group with group_sizes [G] rows in each;
     with `scale` [G, ceil(K/b0), ceil(N/b1)] (block b = `block`) w holds FP8 codes and each block's partial
-    product is scaled. Rows past sum(group_sizes) are zero. Output in x's dtype."""
-    _check_inputs(x, w, group_sizes, scale, block)
+    product is scaled. Rows past sum(group_sizes) are zero. norm (weight [K], eps): rms_norm(x, weight, eps)
+    multiplied instead (inside the kernel's row scaling where it runs). Output in the (normalised) rows' dtype."""
+    _check_inputs(x, w, group_sizes, scale, block, norm)
     if kernels.use_grouped_matmul_kernel(fp8=w.dtype.itemsize == 1, rows=x.shape[0], groups=w.shape[0]):
         out = grouped_matmul_triton(x, w, group_sizes, scale=scale, block=block, config=config,
-                                    fp8_rows=kernels.fp8_activations, interpret=kernels.interpret)
+                                    fp8_rows=kernels.fp8_activations, norm=norm, interpret=kernels.interpret)
         return jnp.where((jnp.arange(x.shape[0]) < group_sizes.sum())[:, None], out, 0)
+    x = x if norm is None else rms_norm(x, *norm)
     return grouped_matmul_reference(x, w, group_sizes, scale=scale, block=block)
 
 
-def _check_inputs(x, w, group_sizes, scale, block) -> None:
+def _check_inputs(x, w, group_sizes, scale, block, norm) -> None:
     """Raise a clear error for inconsistent inputs before anything is compiled."""
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
         raise ValueError(f"grouped_matmul: x must be [M, K] and w [G, K, N], got x {x.shape} and w {w.shape}")
+    if norm is not None and norm[0].shape != (x.shape[1],):
+        raise ValueError(f"grouped_matmul: norm's weight must be [K={x.shape[1]}], got {list(norm[0].shape)}")
     if group_sizes.shape != (w.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"grouped_matmul: group_sizes must be integers [G={w.shape[0]}], got "
                          f"{group_sizes.dtype}{list(group_sizes.shape)}")

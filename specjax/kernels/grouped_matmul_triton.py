@@ -41,6 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from specjax.kernels.projection_reference import rms_norm
+
 # Triton's matrix units need at least 16 rows per dot.
 BLOCK_M = 16
 # Programs one tile's K splits aim for (about four per SM of an H100 / H200); past MAX_SPLIT_ROWS rows (prefill)
@@ -125,9 +127,16 @@ def max_tiles(rows: int, groups: int) -> int:
 
 def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, scale: jax.Array | None = None,
                           block: tuple[int, int] | None = None, config: GroupedMatmulConfig | None = None,
-                          fp8_rows: bool = False, interpret: bool = False) -> jax.Array:
+                          fp8_rows: bool = False, norm: tuple[jax.Array, float] | None = None,
+                          interpret: bool = False) -> jax.Array:
     """specjax.kernels.grouped_matmul_reference, as one kernel (rows past sum(group_sizes) are left unwritten;
-    the dispatcher zeroes them). fp8_rows: a 1-byte stack multiplies rows quantized to e4m3 per K chunk."""
+    the dispatcher zeroes them). fp8_rows: a 1-byte stack multiplies rows quantized to e4m3 per K chunk.
+    norm (weight [K], eps): the rows RMS-normalised first (projection_reference.rms_norm), inside f16_rows'
+    launch where the rows go as float16."""
+    if norm is not None:
+        normed = jax.ShapeDtypeStruct(x.shape, jnp.result_type(x.dtype, norm[0].dtype))
+        if not _as_f16(normed, w, config or default_config(w.shape[0], w.dtype.itemsize), fp8_rows):
+            x, norm = rms_norm(x, *norm), None
     rows, in_features = x.shape
     groups, _, out_features = w.shape
     config = config or default_config(groups, w.dtype.itemsize)
@@ -135,8 +144,8 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
     fp8_rows = fp8_rows and w.dtype.itemsize == 1
     unscale = None
-    if _as_f16(x, w, config, fp8_rows):
-        x, unscale = f16_rows(x, interpret)
+    if norm is not None or _as_f16(x, w, config, fp8_rows):
+        x, unscale = f16_rows(x, interpret, norm)
     pairs = _read_as_pairs(w, config)
     stored = _as_pairs(w) if pairs else w
     block_n = config.block_n // 2 if pairs else config.block_n
@@ -165,30 +174,38 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     return functools.reduce(jnp.add, list(partials)).astype(out_dtype)   # in split order: one rounding, always
 
 
-def f16_rows(x: jax.Array, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def f16_rows(x: jax.Array, interpret: bool = False,
+             norm: tuple[jax.Array, float] | None = None) -> tuple[jax.Array, jax.Array]:
     """Rows [M, K] as float16, each times the power of two that puts its largest magnitude in [2^14, 2^15), and
     the powers of two that undo it [M] (float32), in one launch (a program per row: its largest magnitude, then
     the scaled copy; XLA's fusions made three). Rows below 2^-112 keep a smaller largest value, so that both
-    factors stay normal float32."""
+    factors stay normal float32. norm (weight [K] of x's dtype, eps): the rows of rms_norm(x, weight, eps)
+    instead, normalised in the same launch (the norm's own two launches saved)."""
+    if norm is not None and jnp.result_type(x.dtype, norm[0].dtype) != x.dtype:
+        raise ValueError(f"f16_rows: the norm weight's dtype {norm[0].dtype} must not widen the rows' {x.dtype}")
     rows, in_features = x.shape
     # A row of up to 32768 values is one block, loaded at once: a chunk loop's loads wait on each other, and
     # at one row (a decode step) the launch is that one program.
     block_k = min(F16_ROWS_BLOCK, pl.next_power_of_2(in_features))
+    args = (x,) if norm is None else (x, norm[0])
     return pl.pallas_call(
-        functools.partial(_f16_rows_kernel, block_k=block_k),
+        functools.partial(_f16_rows_kernel, block_k=block_k, eps=None if norm is None else float(norm[1])),
         grid=(rows,),
-        in_specs=[pl.BlockSpec()],
+        in_specs=[pl.BlockSpec() for _ in args],
         out_specs=[pl.BlockSpec(), pl.BlockSpec()],
         out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float16), jax.ShapeDtypeStruct((rows,), jnp.float32)],
         compiler_params=plt.CompilerParams(num_warps=min(16, max(4, block_k // 1024)), num_stages=1),
         interpret=interpret,
         name="specjax_f16_rows",
-    )(x)
+    )(*args)
 
 
-def _f16_rows_kernel(x_ref, out_ref, unscale_ref, *, block_k: int) -> None:
-    """One row: the largest magnitude over K in chunks, its float32 exponent field E (largest < 2^(E-126)),
-    then the row times 2^(141-E) as float16 and 2^(E-141) stored to undo it, both built from their bits."""
+def _f16_rows_kernel(x_ref, *refs, block_k: int, eps: float | None) -> None:
+    """One row (normalised first when eps is given: its mean square over K, then each value as rms_norm rounds
+    it): the largest magnitude over K in chunks, its float32 exponent field E (largest < 2^(E-126)), then the
+    row times 2^(141-E) as float16 and 2^(E-141) stored to undo it, both built from their bits."""
+    norm_ref = refs[0] if eps is not None else None
+    out_ref, unscale_ref = refs[-2:]
     row, in_features = pl.program_id(0), x_ref.shape[1]
     chunks = pl.cdiv(in_features, block_k)
 
@@ -196,18 +213,32 @@ def _f16_rows_kernel(x_ref, out_ref, unscale_ref, *, block_k: int) -> None:
         ks = c * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         return ks, ks < in_features
 
-    def largest(c, amax):
+    def loaded(c):
         ks, ok = chunk(c)
-        values = plt.load(x_ref.at[row, ks], mask=ok, other=0.0).astype(jnp.float32)
-        return jnp.maximum(amax, jnp.max(jnp.abs(values)))
+        return ks, ok, plt.load(x_ref.at[row, ks], mask=ok, other=0.0).astype(jnp.float32)
+
+    inverse_rms = None
+    if eps is not None:
+        squares = lax.fori_loop(0, chunks, lambda c, total: total + jnp.sum(loaded(c)[2] ** 2), jnp.float32(0))
+        inverse_rms = lax.rsqrt(squares / in_features + eps)
+
+    def row_values(c):
+        ks, ok, values = loaded(c)
+        if inverse_rms is None:
+            return ks, ok, values
+        normalised = (values * inverse_rms).astype(x_ref.dtype).astype(jnp.float32)
+        weight = plt.load(norm_ref.at[ks], mask=ok, other=0.0).astype(jnp.float32)
+        return ks, ok, (weight * normalised).astype(x_ref.dtype).astype(jnp.float32)
+
+    def largest(c, amax):
+        return jnp.maximum(amax, jnp.max(jnp.abs(row_values(c)[2])))
 
     amax = lax.fori_loop(0, chunks, largest, jnp.float32(0))
     field = jnp.clip(lax.bitcast_convert_type(amax, jnp.int32) >> 23, 15, 254)
     scale = lax.bitcast_convert_type((268 - field) << 23, jnp.float32)
 
     def store(c, carry):
-        ks, ok = chunk(c)
-        values = plt.load(x_ref.at[row, ks], mask=ok, other=0.0).astype(jnp.float32)
+        ks, ok, values = row_values(c)
         plt.store(out_ref.at[row, ks], (values * scale).astype(jnp.float16), mask=ok)
         return carry
 

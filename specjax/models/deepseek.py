@@ -448,10 +448,10 @@ def decoder_layer(h: jax.Array, latent: jax.Array, w: Mapping[str, jax.Array], i
     MLP dense or MoE. The target's layers and its MTP layers' blocks run this. Returns (h, latent)."""
     rotate = rotary(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, interleaved=cfg.rope_interleave,
                     max_position_embeddings=cfg.max_position_embeddings)
-    attn, latent = mla_attention(rms_norm(h, w["attn_norm"], cfg.rms_norm_eps), w, latent, index, start,
+    attn, latent = mla_attention(h, w, latent, index, start,
                                  rotate=rotate, scale=yarn_softmax_scale(cfg.qk_head_dim, cfg.rope_scaling),
                                  absorbed=kernels.mla_absorbed and not fresh, block=cfg.block, tree=tree,
-                                 kernels=kernels)
+                                 kernels=kernels, norm=(w["attn_norm"], cfg.rms_norm_eps))
     h = h + attn
     x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
     if moe_layer:

@@ -19,6 +19,7 @@ from jax import lax
 
 from specjax.kernels.grouped_matmul import grouped_matmul
 from specjax.kernels.policy import KernelPolicy
+from specjax.kernels.projection_reference import rms_norm
 
 FP8_BLOCK = (128, 128)
 E4M3_MAX = 448.0
@@ -66,19 +67,22 @@ def fp8_matmul(x: jax.Array, w_fp8: jax.Array, scale_inv: jax.Array,
 
 
 def linear(x: jax.Array, weights: Mapping[str, jax.Array], name: str, block: tuple[int, int] | None,
-           kernels: KernelPolicy = KernelPolicy()) -> jax.Array:
+           kernels: KernelPolicy = KernelPolicy(), norm: tuple[jax.Array, float] | None = None) -> jax.Array:
     """x @ weights[name]: through its block scales `weights[name + "_scale"]` (shape `block`, [in, out]
     orientation) when the weight is FP8, a plain matmul otherwise. At decode and verify sizes, where kernels run
     (KernelPolicy.use_grouped_matmul_kernel), the product is the grouped matmul kernel's with one group: FP8 codes
     read as stored, with the same per-block scaling as fp8_matmul's, below a block's rows of tokens; a plain
-    weight at the policy's few rows."""
+    weight at the policy's few rows. norm (weight, eps): rms_norm(x, weight, eps) multiplied instead, inside the
+    kernel's row scaling where that runs (an FP8 weight's bf16 rows)."""
     scale = weights.get(name + "_scale")
     tokens = math.prod(x.shape[:-1])
     fp8 = scale is not None
     if (not fp8 or tokens < block[0]) and kernels.use_grouped_matmul_kernel(fp8=fp8, rows=tokens, groups=1):
         out = grouped_matmul(x.reshape(tokens, -1), weights[name][None], jnp.full((1,), tokens, jnp.int32),
-                             scale=scale[None] if fp8 else None, block=block if fp8 else None, kernels=kernels)
+                             scale=scale[None] if fp8 else None, block=block if fp8 else None, kernels=kernels,
+                             norm=norm)
         return out.reshape(*x.shape[:-1], -1)
+    x = x if norm is None else rms_norm(x, *norm)
     if not fp8:
         return x @ weights[name]
     return fp8_matmul(x, weights[name], scale, block)

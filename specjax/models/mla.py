@@ -66,23 +66,27 @@ def split_kv_b(kv_b_weight, num_heads: int, nope_dim: int, v_dim: int):
 
 
 def project_query(x: jax.Array, weights: dict, block: tuple[int, int] | None = None,
-                  kernels: KernelPolicy = KernelPolicy()) -> tuple[jax.Array, jax.Array]:
-    """q_nope [B, T, H, nope] and the not yet rotated q_rope [B, T, H, rope] of hidden states x [B, T, hidden]:
-    q_proj, or q_a_proj -> q_a_layernorm -> q_b_proj when the weights hold the low-rank pair."""
+                  kernels: KernelPolicy = KernelPolicy(),
+                  norm: tuple[jax.Array, float] | None = None) -> tuple[jax.Array, jax.Array]:
+    """q_nope [B, T, H, nope] and the not yet rotated q_rope [B, T, H, rope] of hidden states x [B, T, hidden]
+    (normalised by `norm` first, fp8.linear): q_proj, or q_a_proj -> q_a_layernorm -> q_b_proj when the weights
+    hold the low-rank pair."""
     if "wq" in weights:
-        q = linear(x, weights, "wq", block, kernels)
+        q = linear(x, weights, "wq", block, kernels, norm)
     else:
-        q_latent = rms_norm(linear(x, weights, "wq_a", block, kernels), weights["q_norm"], LATENT_NORM_EPS)
-        q = linear(q_latent, weights, "wq_b", block, kernels)
+        q_latent = linear(x, weights, "wq_a", block, kernels, norm)
+        q = linear(q_latent, weights, "wq_b", block, kernels, (weights["q_norm"], LATENT_NORM_EPS))
     num_heads, _, nope = weights["w_uk"].shape
     q = q.reshape(*x.shape[:-1], num_heads, -1)
     return q[..., :nope], q[..., nope:]
 
 
 def project_latent(x: jax.Array, weights: dict, block: tuple[int, int] | None = None,
-                   kernels: KernelPolicy = KernelPolicy()) -> tuple[jax.Array, jax.Array]:
-    """c_kv [B, T, R] (normalised by kv_a_layernorm) and the not yet rotated shared k_rope [B, T, rope]."""
-    latent = linear(x, weights, "wkv_a", block, kernels)
+                   kernels: KernelPolicy = KernelPolicy(),
+                   norm: tuple[jax.Array, float] | None = None) -> tuple[jax.Array, jax.Array]:
+    """c_kv [B, T, R] (normalised by kv_a_layernorm) and the not yet rotated shared k_rope [B, T, rope] of
+    hidden states x (normalised by `norm` first)."""
+    latent = linear(x, weights, "wkv_a", block, kernels, norm)
     rank = weights["kv_norm"].shape[0]
     return rms_norm(latent[..., :rank], weights["kv_norm"], LATENT_NORM_EPS), latent[..., rank:]
 
@@ -206,9 +210,11 @@ def _masked_softmax(logits: jax.Array, first_position: jax.Array, tree: TreeMask
 
 def mla_attention(x: jax.Array, weights: dict, cache: jax.Array, layer: jax.Array | int, start: jax.Array, *,
                   rotate: Rotation, scale: float, absorbed: bool, block: tuple[int, int] | None = None,
-                  tree: TreeMask | None = None, kernels: KernelPolicy = KernelPolicy()) -> tuple[jax.Array, jax.Array]:
-    """One MLA layer on hidden states x [B, T, hidden] at positions start[b] + t: its T latent rows written into
-    the cache, then attention in the absorbed or expanded form, then o_proj. Returns (out [B, T, hidden], cache).
+                  tree: TreeMask | None = None, kernels: KernelPolicy = KernelPolicy(),
+                  norm: tuple[jax.Array, float] | None = None) -> tuple[jax.Array, jax.Array]:
+    """One MLA layer on hidden states x [B, T, hidden] at positions start[b] + t (normalised by `norm`, the
+    layer's input RMSNorm, inside the projections: fp8.linear): its T latent rows written into the cache, then
+    attention in the absorbed or expanded form, then o_proj. Returns (out [B, T, hidden], cache).
 
     `rotate` applies the rope (e.g. functools.partial(rope.apply_rope, inv_freq=..., interleaved=True,
     attention_factor=...)) to q's rope part and to the one shared k_rope head; `scale` is the softmax scale
@@ -218,8 +224,8 @@ def mla_attention(x: jax.Array, weights: dict, cache: jax.Array, layer: jax.Arra
     batch, num_tokens = x.shape[:2]
     positions = (start.astype(jnp.int32)[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :] if tree is None
                  else tree.positions)
-    q_nope, q_rope = project_query(x, weights, block, kernels)
-    c_kv, k_rope = project_latent(x, weights, block, kernels)
+    q_nope, q_rope = project_query(x, weights, block, kernels, norm)
+    c_kv, k_rope = project_latent(x, weights, block, kernels, norm)
     q_rope = rotate(q_rope, positions)
     k_rope = rotate(k_rope[:, :, None, :], positions)[:, :, 0, :]
     cache = write_latent(cache, layer, jnp.concatenate([c_kv, k_rope], axis=-1), start)
