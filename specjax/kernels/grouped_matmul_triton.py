@@ -133,16 +133,16 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     the dispatcher zeroes them). fp8_rows: a 1-byte stack multiplies rows quantized to e4m3 per K chunk.
     norm (weight [K], eps): the rows RMS-normalised first (projection_reference.rms_norm), inside f16_rows'
     launch where the rows go as float16."""
-    if norm is not None:
-        normed = jax.ShapeDtypeStruct(x.shape, jnp.result_type(x.dtype, norm[0].dtype))
-        if not _as_f16(normed, w, config or default_config(w.shape[0], w.dtype.itemsize), fp8_rows):
-            x, norm = rms_norm(x, *norm), None
-    rows, in_features = x.shape
     groups, _, out_features = w.shape
     config = config or default_config(groups, w.dtype.itemsize)
+    fp8_rows = fp8_rows and w.dtype.itemsize == 1
+    if norm is not None:
+        normed = jax.ShapeDtypeStruct(x.shape, jnp.result_type(x.dtype, norm[0].dtype))
+        if not _as_f16(normed, w, config, fp8_rows):   # rows not scaled in a launch of their own
+            x, norm = rms_norm(x, *norm), None
+    rows, in_features = x.shape
     out_dtype = x.dtype
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
-    fp8_rows = fp8_rows and w.dtype.itemsize == 1
     unscale = None
     if norm is not None or _as_f16(x, w, config, fp8_rows):
         x, unscale = f16_rows(x, interpret, norm)
@@ -280,13 +280,13 @@ def _as_pairs(w: jax.Array) -> jax.Array:
 
 def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, *refs, pairs: bool, weight_dtype,
                     has_scale: bool, has_unscale: bool, in_features: int, out_features: int, block_k: int,
-                    block_n: int,
-                    chunks_per_split: int, whole_tiles: bool, fp8_rows: bool, scale_block_n: int,
+                    block_n: int, chunks_per_split: int, whole_tiles: bool, fp8_rows: bool, scale_block_n: int,
                     precision: lax.Precision) -> None:
     """One (tile, column block, K split): nothing for an empty tile; else the K loop over the split's chunks of
     dots (one per column phase: even and odd columns of a pair view), scaled per block, and one masked store per
-    phase into the split's partial output. Where the blocks tile the stack whole (`whole_tiles`, every DeepSeek
-    shape), weight and scale loads go unmasked: no per-element predicates in the loop that streams the bytes."""
+    phase into the split's partial output (times each row's unscale where the rows came as scaled float16).
+    Where the blocks tile the stack whole (`whole_tiles`, every DeepSeek shape), weight and scale loads go
+    unmasked: no per-element predicates in the loop that streams the bytes."""
     scale_ref = refs[0] if has_scale else None
     unscale_ref = refs[-2] if has_unscale else None
     out_ref = refs[-1]
