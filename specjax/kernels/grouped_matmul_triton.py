@@ -136,15 +136,14 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     groups, _, out_features = w.shape
     config = config or default_config(groups, w.dtype.itemsize)
     fp8_rows = fp8_rows and w.dtype.itemsize == 1
-    if norm is not None:
-        normed = jax.ShapeDtypeStruct(x.shape, jnp.result_type(x.dtype, norm[0].dtype))
-        if not _as_f16(normed, w, config, fp8_rows):   # rows not scaled in a launch of their own
-            x, norm = rms_norm(x, *norm), None
+    out_dtype = x.dtype if norm is None else jnp.result_type(x.dtype, norm[0].dtype)   # the multiplied rows'
+    as_f16 = _as_f16(out_dtype, w, config, fp8_rows)
+    if norm is not None and not as_f16:   # no launch of the rows' own to normalise them in
+        x, norm = rms_norm(x, *norm), None
     rows, in_features = x.shape
-    out_dtype = x.dtype
-    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
+    precision = lax.Precision.HIGHEST if out_dtype == jnp.float32 else lax.Precision.DEFAULT
     unscale = None
-    if norm is not None or _as_f16(x, w, config, fp8_rows):
+    if as_f16:
         x, unscale = f16_rows(x, interpret, norm)
     pairs = _read_as_pairs(w, config)
     stored = _as_pairs(w) if pairs else w
@@ -246,13 +245,13 @@ def _f16_rows_kernel(x_ref, *refs, block_k: int, eps: float | None) -> None:
     unscale_ref[row] = lax.bitcast_convert_type((field - 14) << 23, jnp.float32)
 
 
-def _as_f16(x: jax.Array, w: jax.Array, config: GroupedMatmulConfig, fp8_rows: bool) -> bool:
-    """Whether rows go to the kernel as scaled float16: config.f16_rows, or by default where bf16 rows meet a
-    1-byte stack (not under fp8_rows, which quantizes them instead)."""
-    meets = x.dtype == jnp.bfloat16 and w.dtype.itemsize == 1 and not fp8_rows
+def _as_f16(dtype, w: jax.Array, config: GroupedMatmulConfig, fp8_rows: bool) -> bool:
+    """Whether rows of `dtype` go to the kernel as scaled float16: config.f16_rows, or by default where bf16 rows
+    meet a 1-byte stack (not under fp8_rows, which quantizes them instead)."""
+    meets = dtype == jnp.bfloat16 and w.dtype.itemsize == 1 and not fp8_rows
     if config.f16_rows and not meets:
         raise ValueError(f"GroupedMatmulConfig.f16_rows=True needs bfloat16 rows and a 1-byte stack (fp8_rows off), "
-                         f"got {x.dtype} rows and a {w.dtype} stack")
+                         f"got {jnp.dtype(dtype)} rows and a {w.dtype} stack")
     return meets if config.f16_rows is None else config.f16_rows
 
 
