@@ -583,17 +583,24 @@ def test_fp8_experts_are_gathered_as_bytes_never_widened_whole():
     np.testing.assert_array_equal(np.asarray(take(stack, scale, ids))[0], np.stack(want))
 
 
-def test_fp8_experts_through_the_grouped_kernel_match_the_dequantized_gathered_form():
-    """Routed FP8 experts in the auto form under a kernel policy (the interpreted Pallas kernel, FP8 codes read as
-    stored) against the gathered form over dequantized slices, at decode and at verify sizes."""
-    E, H, I, block = 8, 256, 128, (128, 128)
-    rng = np.random.default_rng(7)
+def fp8_experts(rng, E: int, H: int, I: int, block: tuple[int, int]) -> dict:
+    """A stack of E random SwiGLU experts (hidden H, intermediate I) quantized to FP8 blocks, with their scales."""
     experts = {}
     for name, shape in (("we_gate", (H, I)), ("we_up", (H, I)), ("we_down", (I, H))):
         quantized = [fp8.quantize_blocks(jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[0]), jnp.float32),
                                          block) for _ in range(E)]
         experts[name] = jnp.stack([q for q, _ in quantized])
         experts[name + "_scale"] = jnp.stack([s for _, s in quantized])
+    return experts
+
+
+def test_fp8_experts_through_the_grouped_kernel_match_the_dequantized_gathered_form():
+    """Routed FP8 experts in the auto form under a kernel policy (the interpreted Pallas kernel, FP8 codes read as
+    stored) against the gathered form over dequantized slices, at decode (one token: slots in their own order)
+    and at verify sizes (sorted by expert)."""
+    E, H, I, block = 8, 256, 128, (128, 128)
+    rng = np.random.default_rng(7)
+    experts = fp8_experts(rng, E, H, I, block)
     for tokens in (1, 5):
         x = jnp.asarray(rng.standard_normal((tokens, H)), jnp.float32)
         ids = jnp.asarray(np.stack([rng.permutation(E)[:3] for _ in range(tokens)]), jnp.int32)
@@ -602,6 +609,25 @@ def test_fp8_experts_through_the_grouped_kernel_match_the_dequantized_gathered_f
             want = moe.routed_experts(x, ids, weights, experts, form="gathered", block=block)
         got = moe.routed_experts(x, ids, weights, experts, block=block, kernels=KernelPolicy(interpret=True))
         assert relative_error(got, np.asarray(want, np.float64)) < 1e-6
+
+
+def test_a_tokens_experts_alone_equal_its_row_among_other_tokens():
+    """One token's slots go to the grouped kernel in their own order, several tokens' sorted by expert; a token's
+    routed output is the same bits either way (a decode step and a verify pass agree: exact greedy speculation),
+    bf16 rows meeting the FP8 stacks as float16."""
+    E, H, I, block = 8, 256, 128, (128, 128)
+    rng = np.random.default_rng(9)
+    experts = fp8_experts(rng, E, H, I, block)
+    x = jnp.asarray(rng.standard_normal((4, H)), jnp.bfloat16)
+    ids = jnp.asarray(np.stack([rng.permutation(E)[:3] for _ in range(4)]), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (4, 3)), jnp.float32)
+    run = jax.jit(lambda x, ids, weights: moe.routed_experts(x, ids, weights, experts, block=block,
+                                                             kernels=KernelPolicy(interpret=True)))
+    together = np.asarray(run(x, ids, weights), np.float32)
+    assert "stablehlo.sort" not in run.lower(x[:1], ids[:1], weights[:1]).as_text()   # slots in their own order
+    for token in range(4):
+        alone = run(x[token:token + 1], ids[token:token + 1], weights[token:token + 1])
+        np.testing.assert_array_equal(np.asarray(alone, np.float32)[0], together[token])
 
 
 def test_random_weights_larger_than_a_slice_are_drawn_in_slices(monkeypatch):

@@ -1,5 +1,6 @@
 """Grouped matmul: reference vs a float64 oracle, the Pallas kernel (interpret mode) vs the reference for plain and
-FP8 stacks, the tile table, row independence (what exact speculation needs), the dispatcher's choice, bad input."""
+FP8 stacks, the tile table, row independence (what exact speculation needs), rows in any order with their groups,
+the dispatcher's choice, bad input."""
 from __future__ import annotations
 
 import types
@@ -122,6 +123,21 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(block, kernels):
     for row, group in [(0, 0), (6, 1), (11, 1), (19, 3)]:
         alone = run(x[row:row + 1], jnp.asarray([int(g == group) for g in range(4)], jnp.int32))
         np.testing.assert_array_equal(np.asarray(alone[0], np.float32), np.asarray(batch[row], np.float32))
+
+
+@pytest.mark.parametrize("block", [(32, 16), None])
+def test_rows_in_any_order_with_their_groups_equal_the_sorted_rows(block):
+    """row_groups (rows in any order, one kernel tile each) gives every row the bits the sorted layout gives it, in
+    the kernel (bf16 rows as float16 against the FP8 stack) and in the reference."""
+    k, n, sizes = 96, 64, (2, 0, 3, 1)
+    w, scale = make_stack(5, len(sizes), k, n, jnp.bfloat16, block)
+    x = make_rows(6, sum(sizes), k, jnp.bfloat16)
+    order = np.random.default_rng(8).permutation(sum(sizes))
+    groups = jnp.asarray(np.repeat(np.arange(len(sizes)), sizes)[order], jnp.int32)
+    for kernels in (INTERPRET, KernelPolicy(impl="reference")):
+        want = grouped_matmul(x, w, jnp.asarray(sizes, jnp.int32), scale=scale, block=block, kernels=kernels)
+        got = grouped_matmul(x[order], w, row_groups=groups, scale=scale, block=block, kernels=kernels)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32)[order])
 
 
 @pytest.mark.parametrize("pairs", [True, False])
@@ -267,6 +283,9 @@ def test_the_kernel_runs_where_triton_converts_the_stacks_dtype(device, plain, f
     (dict(x=jnp.ones((4, 8))), r"x must be \[M, K\] and w \[G, K, N\]"),
     (dict(group_sizes=jnp.ones((3,), jnp.int32)), r"group_sizes must be integers \[G=2\]"),
     (dict(group_sizes=jnp.ones((2,), jnp.float32)), r"group_sizes must be integers"),
+    (dict(group_sizes=None), "pass exactly one of group_sizes .* and row_groups"),
+    (dict(row_groups=jnp.zeros((4,), jnp.int32)), "pass exactly one of group_sizes .* and row_groups"),
+    (dict(group_sizes=None, row_groups=jnp.zeros((3,), jnp.int32)), r"row_groups must be integers \[M=4\]"),
     (dict(scale=None, block=None), "a 1-byte \\(FP8\\) stack needs its block scales"),
     (dict(block=None), "pass scale= and block= together"),
     (dict(scale=jnp.ones((2, 1, 1), jnp.float32)), r"scale must be \[2, 1, 2\] for w \[2, 16, 32\]"),

@@ -1,5 +1,5 @@
-"""Grouped matmul (rows sorted by group, each times its group's matrix of a stack, plain or FP8 block-scaled): the
-Pallas kernel where the policy runs kernels, the pure-JAX reference elsewhere."""
+"""Grouped matmul (each row times its group's matrix of a stack, plain or FP8 block-scaled; rows sorted by group or
+each row's group given): the Pallas kernel where the policy runs kernels, the pure-JAX reference elsewhere."""
 from __future__ import annotations
 
 import jax
@@ -11,32 +11,43 @@ from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.projection_reference import rms_norm
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, scale: jax.Array | None = None,
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = None, *,
+                   row_groups: jax.Array | None = None, scale: jax.Array | None = None,
                    block: tuple[int, int] | None = None, kernels: KernelPolicy = KernelPolicy(),
                    config: GroupedMatmulConfig | None = None,
                    norm: tuple[jax.Array, float] | None = None) -> jax.Array:
-    """x [M, K] @ w[g] row by row for w [G, K, N], the rows sorted by group with group_sizes [G] rows in each;
-    with `scale` [G, ceil(K/b0), ceil(N/b1)] (block b = `block`) w holds FP8 codes and each block's partial
-    product is scaled. Rows past sum(group_sizes) are zero. norm (weight [K], eps): rms_norm(x, weight, eps)
-    multiplied instead (inside the kernel's row scaling where it runs). Output in the (normalised) rows' dtype."""
-    _check_inputs(x, w, group_sizes, scale, block, norm)
+    """x [M, K] @ w[g] row by row for w [G, K, N]: the rows sorted by group with group_sizes [G] rows in each
+    (rows past sum(group_sizes) are zero), or in any order with row_groups [M] naming each row's group (one
+    kernel tile per row: for rows of distinct groups); with `scale` [G, ceil(K/b0), ceil(N/b1)] (block b =
+    `block`) w holds FP8 codes and each block's partial product is scaled. norm (weight [K], eps):
+    rms_norm(x, weight, eps) multiplied instead (inside the kernel's row scaling where it runs). Output in the
+    (normalised) rows' dtype."""
+    _check_inputs(x, w, group_sizes, row_groups, scale, block, norm)
     if kernels.use_grouped_matmul_kernel(fp8=w.dtype.itemsize == 1, rows=x.shape[0], groups=w.shape[0]):
-        out = grouped_matmul_triton(x, w, group_sizes, scale=scale, block=block, config=config,
-                                    fp8_rows=kernels.fp8_activations, norm=norm, interpret=kernels.interpret)
+        out = grouped_matmul_triton(x, w, group_sizes, row_groups=row_groups, scale=scale, block=block,
+                                    config=config, fp8_rows=kernels.fp8_activations, norm=norm,
+                                    interpret=kernels.interpret)
+        if row_groups is not None:
+            return out
         return jnp.where((jnp.arange(x.shape[0]) < group_sizes.sum())[:, None], out, 0)
     x = x if norm is None else rms_norm(x, *norm)
-    return grouped_matmul_reference(x, w, group_sizes, scale=scale, block=block)
+    return grouped_matmul_reference(x, w, group_sizes, row_groups=row_groups, scale=scale, block=block)
 
 
-def _check_inputs(x, w, group_sizes, scale, block, norm) -> None:
+def _check_inputs(x, w, group_sizes, row_groups, scale, block, norm) -> None:
     """Raise a clear error for inconsistent inputs before anything is compiled."""
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
         raise ValueError(f"grouped_matmul: x must be [M, K] and w [G, K, N], got x {x.shape} and w {w.shape}")
     if norm is not None and norm[0].shape != (x.shape[1],):
         raise ValueError(f"grouped_matmul: norm's weight must be [K={x.shape[1]}], got {list(norm[0].shape)}")
-    if group_sizes.shape != (w.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise ValueError(f"grouped_matmul: group_sizes must be integers [G={w.shape[0]}], got "
-                         f"{group_sizes.dtype}{list(group_sizes.shape)}")
+    if (group_sizes is None) == (row_groups is None):
+        raise ValueError("grouped_matmul: pass exactly one of group_sizes (rows sorted by group) and row_groups "
+                         "(each row's group)")
+    groups, name, (axis, length) = ((group_sizes, "group_sizes", ("G", w.shape[0])) if row_groups is None
+                                    else (row_groups, "row_groups", ("M", x.shape[0])))
+    if groups.shape != (length,) or not jnp.issubdtype(groups.dtype, jnp.integer):
+        raise ValueError(f"grouped_matmul: {name} must be integers [{axis}={length}], got "
+                         f"{groups.dtype}{list(groups.shape)}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"grouped_matmul: x must be floating point, got {x.dtype}")
     if (scale is None) != (block is None):

@@ -1,5 +1,6 @@
-"""Pure-JAX grouped matmul: rows sorted by group, each row times its group's matrix of a stack, the stack plain or
-FP8 with block scales. Ground truth for the Pallas kernel; it reads each row's whole matrix (tests only).
+"""Pure-JAX grouped matmul: each row times its group's matrix of a stack (rows sorted by group, or in any order
+with each row's group given), the stack plain or FP8 with block scales. Ground truth for the Pallas kernel; it
+reads each row's whole matrix (tests only).
 
 With block scales the scale goes on each block's fp32 partial product, as the kernel applies it, not on the
 weight: out[m, n] = sum_b scale[g, b, n // bn] * sum_{k in block b} x[m, k] w[g, k, n].
@@ -10,17 +11,19 @@ import jax
 import jax.numpy as jnp
 
 
-def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
+def sorted_row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
     """The group of each of `rows` rows sorted by group (rows past sum(group_sizes): the last group)."""
     return jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=rows)
 
 
-def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
-                             scale: jax.Array | None = None, block: tuple[int, int] | None = None) -> jax.Array:
-    """x [M, K] (rows sorted by group) @ w[group of the row] for w [G, K, N], in x's dtype; rows past
-    sum(group_sizes) are zero (as lax.ragged_dot)."""
+def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = None, *,
+                             row_groups: jax.Array | None = None, scale: jax.Array | None = None,
+                             block: tuple[int, int] | None = None) -> jax.Array:
+    """x [M, K] @ w[group of the row] for w [G, K, N], in x's dtype. The rows' groups: group_sizes [G] for rows
+    sorted by group (rows past sum(group_sizes) are zero, as lax.ragged_dot), or row_groups [M] for rows in any
+    order."""
     rows, in_features = x.shape
-    groups = row_groups(group_sizes, rows)
+    groups = sorted_row_groups(group_sizes, rows) if row_groups is None else row_groups
     weights = w[groups].astype(x.dtype)                                              # [M, K, N]
     if scale is None:
         out = jnp.einsum("mk,mkn->mn", x, weights, preferred_element_type=jnp.float32)
@@ -33,5 +36,6 @@ def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
         partial = jnp.einsum("mbc,mbcn->mbn", x_blocks, w_blocks, preferred_element_type=jnp.float32)
         column_scale = jnp.repeat(scale[groups], block_out, axis=2)[:, :, :w.shape[2]]   # [M, Kb, N]
         out = (partial * column_scale).sum(axis=1)
-    filled = jnp.arange(rows) < group_sizes.sum()
-    return jnp.where(filled[:, None], out, 0).astype(x.dtype)
+    if row_groups is None:
+        out = jnp.where((jnp.arange(rows) < group_sizes.sum())[:, None], out, 0)
+    return out.astype(x.dtype)

@@ -37,6 +37,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
@@ -113,6 +114,13 @@ def tile_table(group_sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array,
     return group, first, end
 
 
+def row_tiles(row_groups: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(group, first row, end row) of one tile per row, for rows in any order (the rows as constants: an iota is
+    a launch of its own on GPUs)."""
+    row = np.arange(row_groups.shape[0], dtype=np.int32)
+    return row_groups.astype(jnp.int32), jnp.asarray(row), jnp.asarray(row + 1)
+
+
 def _inclusive_sums(values: jax.Array) -> jax.Array:
     """cumsum of a short vector as one masked [n, n] row sum (one parallel reduction)."""
     index = jnp.arange(values.shape[0])
@@ -125,12 +133,15 @@ def max_tiles(rows: int, groups: int) -> int:
     return -(-rows // BLOCK_M) + min(groups, rows)
 
 
-def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, scale: jax.Array | None = None,
+def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = None, *,
+                          row_groups: jax.Array | None = None, scale: jax.Array | None = None,
                           block: tuple[int, int] | None = None, config: GroupedMatmulConfig | None = None,
                           fp8_rows: bool = False, norm: tuple[jax.Array, float] | None = None,
                           interpret: bool = False) -> jax.Array:
     """specjax.kernels.grouped_matmul_reference, as one kernel (rows past sum(group_sizes) are left unwritten;
-    the dispatcher zeroes them). fp8_rows: a 1-byte stack multiplies rows quantized to e4m3 per K chunk.
+    the dispatcher zeroes them). row_groups instead of group_sizes: one tile per row, no table to compute, each
+    row's matrix read once per row (for rows of distinct groups, such as one token's experts, the same bytes).
+    fp8_rows: a 1-byte stack multiplies rows quantized to e4m3 per K chunk.
     norm (weight [K], eps): the rows RMS-normalised first (projection_reference.rms_norm), inside f16_rows'
     launch where the rows go as float16."""
     groups, _, out_features = w.shape
@@ -153,7 +164,8 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     splits = 1 if rows > MAX_SPLIT_ROWS else config.k_splits or default_k_splits(column_blocks, k_chunks)
     chunks_per_split = pl.cdiv(k_chunks, splits)
     splits = pl.cdiv(k_chunks, chunks_per_split)
-    args = [*tile_table(group_sizes, rows), x, stored] + [a for a in (scale, unscale) if a is not None]
+    tiles = tile_table(group_sizes, rows) if row_groups is None else row_tiles(row_groups)
+    args = [*tiles, x, stored] + [a for a in (scale, unscale) if a is not None]
     kernel = functools.partial(
         _grouped_kernel, pairs=pairs, weight_dtype=w.dtype, has_scale=scale is not None,
         has_unscale=unscale is not None, in_features=in_features, out_features=out_features, block_k=block_k,
@@ -162,7 +174,7 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
         scale_block_n=block[1] if scale is not None else 1, precision=precision)
     partials = pl.pallas_call(
         kernel,
-        grid=(max_tiles(rows, groups), column_blocks, splits),
+        grid=(tiles[0].shape[0], column_blocks, splits),
         in_specs=[pl.BlockSpec() for _ in args],   # unblocked: the kernel indexes its rows, group and columns
         out_specs=pl.BlockSpec(),
         out_shape=jax.ShapeDtypeStruct((splits, rows, out_features), out_dtype if splits == 1 else jnp.float32),

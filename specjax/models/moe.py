@@ -152,24 +152,32 @@ def _ragged_dot_vmap(axis_size: int, in_batched: list[bool], lhs, rhs, group_siz
 
 def _grouped_experts(x, ids, weights, experts, block, kernels: KernelPolicy | None = None) -> jax.Array:
     """Token-slots sorted by expert, grouped matmuls (the Pallas kernel under `kernels`, else ragged_dot over
-    dequantized stacks), then unsorted and combined."""
+    dequantized stacks), then unsorted and combined. One token's slots (a batch-1 decode step) name distinct
+    experts: under `kernels` they stay in their own order, each its own tile (grouped_matmul's row_groups: no sort,
+    count, tile table or unsort to launch; the same bytes read and, row by row, the same products)."""
     num_tokens, k = ids.shape
     flat_ids = ids.reshape(-1)
-    order = jnp.argsort(flat_ids, stable=True)
-    group_sizes = jnp.bincount(flat_ids, length=experts["we_gate"].shape[0]).astype(jnp.int32)
+    in_slot_order = kernels is not None and num_tokens == 1
+    if in_slot_order:
+        groups = dict(row_groups=flat_ids)
+        slots = jnp.repeat(x, k, axis=0)
+    else:
+        order = jnp.argsort(flat_ids, stable=True)
+        groups = dict(group_sizes=jnp.bincount(flat_ids, length=experts["we_gate"].shape[0]).astype(jnp.int32))
+        slots = x[order // k]
     if kernels is None:
         stacks = dict(zip(EXPERT_LEAVES, _stacks(experts, block, x.dtype)))
 
         def matmul(lhs, name):
-            return _ragged_dot(lhs, stacks[name], group_sizes)
+            return _ragged_dot(lhs, stacks[name], groups["group_sizes"])
     else:
         def matmul(lhs, name):
-            return grouped_matmul(lhs, experts[name], group_sizes, scale=experts.get(name + "_scale"),
+            return grouped_matmul(lhs, experts[name], **groups, scale=experts.get(name + "_scale"),
                                   block=block if name + "_scale" in experts else None, kernels=kernels)
-    slots = x[order // k]
     hidden = jax.nn.silu(matmul(slots, "we_gate")) * matmul(slots, "we_up")
-    out_sorted = matmul(hidden, "we_down")
-    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted, unique_indices=True)
+    out = matmul(hidden, "we_down")
+    if not in_slot_order:
+        out = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
     return _combine(out.reshape(num_tokens, k, -1), weights, x.dtype)
 
 
