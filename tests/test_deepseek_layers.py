@@ -327,13 +327,17 @@ def test_absorbed_mla_through_the_attention_kernel_equals_the_expanded_form(toke
     assert relative_error(got, want) < 1e-5
 
 
-def test_write_latent_places_rows_at_each_start():
-    cache = jnp.full((2, 3, 8, 5), jnp.nan, jnp.float32)
-    rows = jnp.arange(3 * 2 * 5, dtype=jnp.float32).reshape(3, 2, 5)
-    start = jnp.array([0, 3, 6], jnp.int32)
-    got = np.asarray(mla.write_latent(cache, 1, rows, start))
-    want = np.full((2, 3, 8, 5), np.nan, np.float32)
-    for b, s in enumerate([0, 3, 6]):
+@pytest.mark.parametrize("starts", [(0, 3, 6), (3,), (7,)])
+def test_write_latent_places_rows_at_each_start(starts):
+    """Rows land at each row's start in the given layer (one row: a dynamic_update_slice), a window past the end
+    clamped back so that it fits, as the scatter clamps."""
+    batch = len(starts)
+    cache = jnp.full((2, batch, 8, 5), jnp.nan, jnp.float32)
+    rows = jnp.arange(batch * 2 * 5, dtype=jnp.float32).reshape(batch, 2, 5)
+    got = np.asarray(jax.jit(mla.write_latent)(cache, jnp.int32(1), rows, jnp.asarray(starts, jnp.int32)))
+    want = np.full((2, batch, 8, 5), np.nan, np.float32)
+    for b, s in enumerate(starts):
+        s = min(s, 8 - 2)
         want[1, b, s:s + 2] = rows[b]
     np.testing.assert_array_equal(got, want)
 

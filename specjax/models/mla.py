@@ -123,8 +123,12 @@ def write_latent(cache: jax.Array, layer: jax.Array | int, rows: jax.Array, star
     """Write rows [B, T, width] into layer `layer` of cache [L, B, S, width] at slots start[b] .. start[b] + T - 1.
 
     One scatter of B windows [T, width] indexed over the cache's leading dims (layer, row, slot) in order, the
-    form XLA updates in place. Slots are clamped so a window fits; callers keep start + T <= S."""
+    form XLA updates in place; one row's window a dynamic_update_slice (XLA turns that scatter into one too, but
+    behind a read of the old window and a bounds test: two more launches per layer). Slots are clamped so a window
+    fits; callers keep start + T <= S."""
     batch = rows.shape[0]
+    if batch == 1:
+        return lax.dynamic_update_slice(cache, rows[None].astype(cache.dtype), (layer, 0, start[0], 0))
     indices = jnp.stack([jnp.full((batch,), layer, jnp.int32), jnp.arange(batch, dtype=jnp.int32),
                          start.astype(jnp.int32)], axis=-1)
     numbers = lax.ScatterDimensionNumbers(update_window_dims=(1, 2), inserted_window_dims=(0, 1),
