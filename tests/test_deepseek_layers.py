@@ -32,6 +32,7 @@ from transformers import modeling_rope_utils as rope_utils
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
 from specjax.kernels import attention_reference
+from specjax.kernels.moe_routing_reference import within_top_groups
 from specjax.kernels.policy import KernelPolicy
 from specjax.models import fp8, mla, moe, random_init, rope
 
@@ -431,7 +432,7 @@ def test_the_group_limit_ranks_groups_as_top_k_ties_included(seed, groups, topk_
     n_group, per_group = groups
     routing = moe.Routing(2, "sigmoid", method, n_group, min(topk_group, n_group))
     choice = np.random.default_rng(seed).choice(np.float32([0.125, 0.25, 0.5, 0.75]), (16, n_group * per_group))
-    got = np.asarray(moe._within_top_groups(jnp.asarray(choice), routing))
+    got = np.asarray(within_top_groups(jnp.asarray(choice), routing))
     np.testing.assert_array_equal(got, top_groups_oracle(choice, routing))
 
 

@@ -17,6 +17,8 @@ from jax._src.pallas.triton import pallas_call_registration as registration
 
 from specjax.kernels.attention_triton import attention_triton
 from specjax.kernels.grouped_matmul_triton import default_config, grouped_matmul_triton
+from specjax.kernels.moe_routing_reference import Routing
+from specjax.kernels.moe_routing_triton import select_experts_triton
 from specjax.kernels.projection_triton import projection_triton
 from specjax.kernels.top_k_top_p import LARGE_BATCH_CONFIG
 from specjax.kernels.top_k_top_p_triton import SearchConfig, keep_mask_triton
@@ -131,4 +133,15 @@ def test_grouped_matmul_kernel_lowers(triton_modules, rows, shape, fp8_rows, pai
     lower_for_cuda(lambda x, w, s, g: grouped_matmul_triton(x, w, g, scale=s, block=(128, 128), config=config,
                                                             fp8_rows=fp8_rows),
                    x, w, scale, jnp.zeros((groups,), jnp.int32))
+    assert_verified(triton_modules)
+
+
+@pytest.mark.parametrize("tokens, experts, routing, biased", [
+    (1, 256, Routing(8, "sigmoid", "noaux_tc", 8, 4, routed_scaling_factor=2.5), True),   # DeepSeek-V3
+    (64, 160, Routing(6, "softmax", "group_limited_greedy", 8, 3, norm_topk_prob=False), False),   # V2: groups of 20
+    (8, 64, Routing(6, "softmax", "greedy", norm_topk_prob=False), False),                    # V2-Lite
+])
+def test_moe_routing_kernel_lowers(triton_modules, tokens, experts, routing, biased):
+    bias = jnp.zeros((experts,), jnp.float32) if biased else None
+    lower_for_cuda(lambda logits: select_experts_triton(logits, bias, routing), jnp.zeros((tokens, experts)))
     assert_verified(triton_modules)

@@ -60,6 +60,8 @@ class KernelPolicy:
     # and what runs off the kernels whatever this says); bf16 rows enter the kernel as power-of-two-scaled
     # float16, the same products (kernels/grouped_matmul_triton.py).
     fp8_activations: bool = False
+    # MoE routing (scores, group limit, top-k, weights) as one kernel per call, where XLA's ops launch about ten.
+    routing_kernel: bool = True
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
@@ -100,6 +102,11 @@ class KernelPolicy:
             return self.grouped_matmul_kernel and fits
         fp8_ok = self.interpret or has_kernels(self._device(), _MIN_FP8_COMPUTE_CAPABILITY)
         return self.grouped_matmul_kernel and fp8_ok
+
+    def use_routing_kernel(self) -> bool:
+        """Whether MoE routing runs the kernel (at every token count: a token's experts must not depend on it)."""
+        mode = self.mode()
+        return mode == "triton" or (mode == "auto" and self.routing_kernel)
 
     def use_search(self, elements: int) -> bool:
         """Whether top-k / top-p over `elements` (batch x vocabulary) runs the radix search, not the sort."""

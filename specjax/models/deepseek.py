@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.kernels.moe_routing_reference import SCORING_FUNCS, TOPK_METHODS, Routing
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.tree_mask import TreeMask
 from specjax.kernels.projection_reference import rms_norm
@@ -26,7 +27,7 @@ from specjax.models.family import ForwardAux, default_unroll, module_from_params
 from specjax.models import random_init
 from specjax.models.fp8 import dequantize_blocks
 from specjax.models.mla import LatentCache, mla_attention, split_kv_b
-from specjax.models.moe import SCORING_FUNCS, TOPK_METHODS, Routing, moe, splits_shared, swiglu_mlp
+from specjax.models.moe import moe, splits_shared, swiglu_mlp
 from specjax.models.rope import rotary, rope_type, yarn_softmax_scale
 from specjax.models.weight_map import LeafSpec
 from specjax.parallel.plan import PartitionRules, nest_paths

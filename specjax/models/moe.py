@@ -1,5 +1,6 @@
-"""DeepSeekMoE: the router (V3 "noaux_tc", V2 "greedy" / "group_limited_greedy") and the routed SwiGLU experts
-in three equal forms, plus the shared experts.
+"""DeepSeekMoE: the router (its logits; the selection rules, V3 "noaux_tc" and V2 "greedy" /
+"group_limited_greedy", are kernels/moe_routing.py's) and the routed SwiGLU experts in three equal forms, plus the
+shared experts.
 
 Weights (a dict; matrices stored [in, out]; gate and up kept apart, so that FP8 weights keep their 128 x 128
 block scales, and so that a split of the intermediate size over devices keeps gate and up columns together):
@@ -23,7 +24,6 @@ takes "gathered" while N*k <= E and "grouped" beyond.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Mapping
 
 import jax
@@ -33,75 +33,21 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from specjax.kernels.grouped_matmul import grouped_matmul
+from specjax.kernels.moe_routing import select_experts
+from specjax.kernels.moe_routing_reference import Routing
 from specjax.kernels.policy import KernelPolicy
 from specjax.models.fp8 import dequantize_stack, linear
 from specjax.parallel.mesh import Layout, current_layout
 
 EXPERT_FORMS = ("auto", "dense", "grouped", "gathered")
-SCORING_FUNCS = ("sigmoid", "softmax")
-TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 
 
-@dataclasses.dataclass(frozen=True)
-class Routing:
-    """Static routing settings (a model config's). transformers' DeepSeek-V3 routes as scoring="sigmoid",
-    topk_method="noaux_tc" whatever config.json says; its DeepSeek-V2 as scoring="softmax" with the config's
-    topk_method and never normalises the weights (released V2 configs leave norm_topk_prob false)."""
-    num_experts_per_tok: int
-    scoring: str = "sigmoid"            # "sigmoid" | "softmax"
-    topk_method: str = "noaux_tc"       # "noaux_tc" | "greedy" | "group_limited_greedy"
-    n_group: int = 1
-    topk_group: int = 1
-    norm_topk_prob: bool = True
-    routed_scaling_factor: float = 1.0
-
-
-def route(x: jax.Array, w_router: jax.Array, router_bias: jax.Array | None,
-          routing: Routing) -> tuple[jax.Array, jax.Array]:
-    """Expert ids [N, k] (int32, best first) and their weights [N, k] (fp32) for tokens x [N, hidden].
-
-    logits = x W in fp32 at full precision; scores = sigmoid or softmax of them; the choice scores (scores + bias)
-    pick the experts, within the top topk_group of n_group groups for the grouped methods (a group's score is the
-    sum of its two best choice scores for noaux_tc, its best score for group_limited_greedy); the weights are the
-    unbiased scores of the chosen experts, normalised if norm_topk_prob, times routed_scaling_factor."""
+def route(x: jax.Array, w_router: jax.Array, router_bias: jax.Array | None, routing: Routing,
+          kernels: KernelPolicy = KernelPolicy()) -> tuple[jax.Array, jax.Array]:
+    """Expert ids [N, k] (int32, best first) and their weights [N, k] (fp32) for tokens x [N, hidden]: the logits
+    x W in fp32 at full precision, then kernels/moe_routing.py's selection."""
     logits = jnp.dot(x.astype(jnp.float32), w_router.astype(jnp.float32), precision=lax.Precision.HIGHEST)
-    if routing.scoring == "sigmoid":
-        scores = jax.nn.sigmoid(logits)
-    elif routing.scoring == "softmax":
-        scores = jax.nn.softmax(logits, axis=-1)
-    else:
-        raise ValueError(f"scoring {routing.scoring!r} is not one of {SCORING_FUNCS}")
-    choice = scores if router_bias is None else scores + router_bias.astype(jnp.float32)
-    if routing.topk_method in ("noaux_tc", "group_limited_greedy"):
-        choice = _within_top_groups(choice, routing)
-    elif routing.topk_method != "greedy":
-        raise ValueError(f"topk_method {routing.topk_method!r} is not one of {TOPK_METHODS}")
-    _, ids = lax.top_k(choice, routing.num_experts_per_tok)
-    weights = jnp.take_along_axis(scores, ids, axis=-1)
-    if routing.norm_topk_prob:
-        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-    return ids.astype(jnp.int32), weights * routing.routed_scaling_factor
-
-
-def _within_top_groups(choice: jax.Array, routing: Routing) -> jax.Array:
-    """choice [N, E] with the experts outside each token's top topk_group groups set to -inf.
-    (transformers' V2 sets them to 0; its softmax scores are positive, so the same experts win.)
-    Reductions and compares only, the groups ranked as lax.top_k ranks them (ties to the lower index): at
-    decode XLA fuses these where two top_k calls were two sorts or top-k kernels and their scatter."""
-    num_tokens, num_experts = choice.shape
-    grouped = choice.reshape(num_tokens, routing.n_group, num_experts // routing.n_group)
-    best = grouped.max(axis=-1)
-    if routing.topk_method == "noaux_tc":   # the sum of a group's two best: its best plus the best of the rest
-        first = jnp.argmax(grouped, axis=-1)
-        rest = jnp.where(jnp.arange(grouped.shape[-1]) == first[..., None], -jnp.inf, grouped)
-        group_scores = best + rest.max(axis=-1)
-    else:
-        group_scores = best
-    index = jnp.arange(routing.n_group)
-    mine, other = group_scores[:, :, None], group_scores[:, None, :]
-    ahead = (other > mine) | ((other == mine) & (index[None, None, :] < index[None, :, None]))
-    kept = ahead.sum(axis=-1) < routing.topk_group                                   # [N, n_group]
-    return jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(num_tokens, num_experts)
+    return select_experts(logits, router_bias, routing, kernels=kernels)
 
 
 def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: Mapping[str, jax.Array], *,
@@ -208,7 +154,7 @@ def moe(x: jax.Array, weights: Mapping[str, jax.Array], routing: Routing, *,
     """The MoE block on x [..., hidden]: routed experts plus the shared experts. Traced under a tensor-parallel
     layout, expert parallel (`_expert_parallel`)."""
     tokens = x.reshape(-1, x.shape[-1])
-    ids, routing_weights = route(tokens, weights["w_router"], weights.get("router_bias"), routing)
+    ids, routing_weights = route(tokens, weights["w_router"], weights.get("router_bias"), routing, kernels)
     layout = current_layout()
     if layout is not None and layout.shards > 1:
         return _expert_parallel(tokens, ids, routing_weights, weights, layout, kernels, block).reshape(x.shape)

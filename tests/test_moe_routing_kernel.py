@@ -1,0 +1,80 @@
+"""MoE routing: the Pallas kernel (interpret mode) against the pure-JAX reference on tied and untied scores, every
+method, group layouts and widths that are not powers of two; a token's choice alone and among others; bad input."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specjax.kernels.moe_routing import select_experts
+from specjax.kernels.moe_routing_reference import Routing, select_experts_reference
+from specjax.kernels.moe_routing_triton import select_experts_triton
+from specjax.kernels.policy import KernelPolicy
+
+# (experts, n_group, topk_group, k): V3's layout scaled down, V2's 160 experts in groups of 20, one group.
+LAYOUTS = [(32, 8, 4, 8), (64, 8, 3, 6), (160, 8, 3, 6), (24, 4, 2, 3), (16, 1, 1, 4)]
+
+
+def routing_for(layout, method: str, scoring: str, norm: bool) -> Routing:
+    experts, n_group, topk_group, k = layout
+    return Routing(k, scoring, method, n_group, topk_group, norm_topk_prob=norm, routed_scaling_factor=2.5)
+
+
+def draw_logits(seed: int, tokens: int, experts: int, tied: bool) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if tied:   # a few values, so that experts and groups tie
+        return rng.choice(np.float32([-1.0, -0.25, 0.5, 1.5]), (tokens, experts))
+    return rng.standard_normal((tokens, experts)).astype(np.float32)
+
+
+# Each example compiles the kernel for its shapes.
+@settings(max_examples=24, deadline=None)
+@given(st.integers(0, 2 ** 31 - 1), st.sampled_from(LAYOUTS),
+       st.sampled_from([("noaux_tc", "sigmoid"), ("group_limited_greedy", "softmax"), ("greedy", "softmax"),
+                        ("greedy", "sigmoid")]),
+       st.booleans(), st.booleans(), st.booleans())
+def test_the_kernel_chooses_as_the_reference(seed, layout, method_scoring, tied, biased, norm):
+    """The same experts in the same order (ties to the lower expert and group, as lax.top_k), the weights within
+    rounding; the first token alone chooses as it does among the others."""
+    method, scoring = method_scoring
+    routing = routing_for(layout, method, scoring, norm)
+    logits = jnp.asarray(draw_logits(seed, 5, layout[0], tied))
+    bias = (jnp.asarray(np.random.default_rng(seed + 1).choice(np.float32([0.0, 0.125]), layout[0]))
+            if biased else None)
+    want_ids, want_weights = select_experts_reference(logits, bias, routing)
+    got_ids, got_weights = select_experts_triton(logits, bias, routing, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(want_ids))
+    np.testing.assert_allclose(np.asarray(got_weights), np.asarray(want_weights), rtol=2e-6, atol=0)
+    alone_ids, alone_weights = select_experts_triton(logits[:1], bias, routing, interpret=True)
+    np.testing.assert_array_equal(np.asarray(alone_ids), np.asarray(got_ids[:1]))
+    np.testing.assert_array_equal(np.asarray(alone_weights), np.asarray(got_weights[:1]))
+
+
+def test_the_dispatcher_runs_the_kernel_where_the_policy_says():
+    routing = Routing(2, "sigmoid", "noaux_tc", 2, 1)
+    logits = jnp.asarray(draw_logits(3, 2, 8, tied=False))
+    for kernels, kernel in ((KernelPolicy(interpret=True), True), (KernelPolicy(), False),
+                            (KernelPolicy(interpret=True, routing_kernel=False), False)):
+        jaxpr = str(jax.make_jaxpr(lambda l: select_experts(l, None, routing, kernels=kernels))(logits))
+        assert ("pallas_call" in jaxpr) == kernel, kernels
+
+
+@pytest.mark.parametrize("logits, bias, routing, match", [
+    ((4, 8, 2), None, Routing(2), r"logits must be \[N, E\] and bias \[E\]"),
+    ((4, 8), (7,), Routing(2), r"logits must be \[N, E\] and bias \[E\], got logits \[4, 8\] and bias \[7\]"),
+    ((4, 8), None, Routing(9), "8 experts cannot give num_experts_per_tok=9"),
+    ((4, 8), None, Routing(2, n_group=3), "in n_group=3 equal groups"),
+])
+def test_bad_input_is_refused_naming_the_field(logits, bias, routing, match):
+    with pytest.raises(ValueError, match=match):
+        select_experts(jnp.zeros(logits), None if bias is None else jnp.zeros(bias), routing)
+
+
+def test_an_unknown_method_or_scoring_is_refused_when_the_routing_is_made():
+    with pytest.raises(ValueError, match="topk_method 'aux_free' is not one of"):
+        Routing(2, topk_method="aux_free")
+    with pytest.raises(ValueError, match="scoring 'relu' is not one of"):
+        Routing(2, scoring="relu")
