@@ -66,11 +66,16 @@ def test_the_dispatcher_runs_the_kernel_where_the_policy_says():
     ((4, 8, 2), None, Routing(2), r"logits must be \[N, E\] and bias \[E\]"),
     ((4, 8), (7,), Routing(2), r"logits must be \[N, E\] and bias \[E\], got logits \[4, 8\] and bias \[7\]"),
     ((4, 8), None, Routing(9), "8 experts cannot give num_experts_per_tok=9"),
-    ((4, 8), None, Routing(2, n_group=3), "in n_group=3 equal groups"),
+    ((4, 8), None, Routing(2, n_group=3), "8 experts do not split into n_group=3 equal groups"),
 ])
 def test_bad_input_is_refused_naming_the_field(logits, bias, routing, match):
     with pytest.raises(ValueError, match=match):
         select_experts(jnp.zeros(logits), None if bias is None else jnp.zeros(bias), routing)
+
+
+def test_greedy_routing_ignores_the_group_count():
+    ids, _ = select_experts(jnp.asarray(draw_logits(5, 2, 8, tied=False)), None, Routing(2, "softmax", "greedy", 3))
+    assert ids.shape == (2, 2)
 
 
 def test_an_unknown_method_or_scoring_is_refused_when_the_routing_is_made():

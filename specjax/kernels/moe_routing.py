@@ -16,9 +16,13 @@ def select_experts(logits: jax.Array, bias: jax.Array | None, routing: Routing, 
     if logits.ndim != 2 or (bias is not None and bias.shape != logits.shape[1:]):
         raise ValueError(f"select_experts: logits must be [N, E] and bias [E], got logits {list(logits.shape)} and "
                          f"bias {None if bias is None else list(bias.shape)}")
-    if routing.num_experts_per_tok > logits.shape[1] or logits.shape[1] % routing.n_group:
-        raise ValueError(f"select_experts: {logits.shape[1]} experts cannot give num_experts_per_tok="
-                         f"{routing.num_experts_per_tok} in n_group={routing.n_group} equal groups")
+    experts = logits.shape[1]
+    if routing.num_experts_per_tok > experts:
+        raise ValueError(f"select_experts: {experts} experts cannot give num_experts_per_tok="
+                         f"{routing.num_experts_per_tok}")
+    if routing.group_limited and experts % routing.n_group:
+        raise ValueError(f"select_experts: {experts} experts do not split into n_group={routing.n_group} equal "
+                         f"groups ({routing.topk_method} ranks groups)")
     if kernels.use_routing_kernel():
         return select_experts_triton(logits, bias, routing, interpret=kernels.interpret)
     return select_experts_reference(logits, bias, routing)
