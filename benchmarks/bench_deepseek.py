@@ -141,6 +141,9 @@ def form_subjects(cfg: DeepseekConfig, target, forms: tuple[str, ...]) -> dict:
     return {form: makers[form]() for form in forms}
 
 
+STEPS_TRACED = 5
+
+
 def v3_step_suite(bandwidth: float, smoke: bool, batches: tuple[int, ...], forms: tuple[str, ...] = DEFAULT_FORMS,
                   profile: bool = False) -> list[dict]:
     """Decode steps of rows of distinct random tokens (so that rows route apart), the grouped matmul kernel on and
@@ -149,9 +152,12 @@ def v3_step_suite(bandwidth: float, smoke: bool, batches: tuple[int, ...], forms
     weights, target = stepped_subject(cfg)
     subjects = form_subjects(cfg, target, forms)
     if profile:
-        profiles = [step_profile(target, B) for B in batches]
+        traced = {B: step_kernels(target, B) for B in batches}
+        profiles = [profile_row(kernels, STEPS_TRACED, batch=B) for B, kernels in traced.items()]
         print_table(profiles)
         write_json("bench_deepseek_v3_profile", profiles)
+        write_json("bench_deepseek_v3_launches", [dict(batch=B, step=last_step(kernels, STEPS_TRACED))
+                                                  for B, kernels in traced.items()])
     rows = []
     for B in batches:
         distinct = distinct_experts(weights, cfg, B)
@@ -185,10 +191,15 @@ def v3_step_launches(batches: tuple[int, ...], smoke: bool) -> list[dict]:
     return rows
 
 
-def step_profile(model, B: int, steps: int = 5) -> dict:
-    """Where `steps` decode steps at CONTEXT (rows of distinct tokens) spend their device time, per step."""
-    kernels = traced_kernels(stepper(model, B, 1, CONTEXT, distinct_tokens=True, steps=steps))
-    return profile_row(kernels, steps, batch=B)
+def step_kernels(model, B: int) -> list:
+    """The kernels of STEPS_TRACED decode steps at CONTEXT (rows of distinct tokens), in start order."""
+    return traced_kernels(stepper(model, B, 1, CONTEXT, distinct_tokens=True, steps=STEPS_TRACED))
+
+
+def last_step(kernels, steps: int) -> list[tuple[str, str, float]]:
+    """(kernel, HLO instruction, us) of the last of `steps` equal steps' launches, in order: what each took."""
+    per_step = len(kernels) // steps
+    return [(k.name[:60], k.op, round(k.duration_ns / 1e3, 2)) for k in kernels[-per_step:]]
 
 
 def loop_profile(model, B: int, sizes_run: Sizes) -> dict:

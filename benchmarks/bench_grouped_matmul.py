@@ -41,8 +41,10 @@ FORMS = {"kernel": ("grouped", KernelPolicy(interpret=interpret_kernels())),
          "xla ragged_dot": ("grouped", KernelPolicy(impl="reference"))}
 # block_n in output columns (128 lost by far when it counted pairs: RESULTS.md); pairs: False loads a stack as
 # it is (impossible for a 2-4 GiB one), True reads it as column pairs (the default); f16_rows: False multiplies
-# the bf16 rows as they are, True as scaled float16 (the default)
-SWEEP = dict(block_n=(64, 128, 256), num_warps=(4, 8), num_stages=(3, 5), pairs=(False, True), f16_rows=(False, True))
+# the bf16 rows as they are, True as scaled float16 (the default); k_splits: K cut into that many programs' runs
+# (the default aims at a number of programs per tile)
+SWEEP = dict(block_n=(64, 128, 256), num_warps=(4, 8), num_stages=(2, 3, 4), pairs=(False, True), f16_rows=(False, True),
+             k_splits=(None, 1, 2, 4, 8))
 
 
 def experts_of(shape: dict, seed: int = 0) -> dict[str, jax.Array]:
@@ -95,24 +97,24 @@ def form_rows(shapes: dict, tokens_list, bandwidth: float) -> list[dict]:
 
 
 def sweep_cases(shape: dict) -> list[dict]:
-    """The kernel's calls in a V3 step: the routed gate ([7168, 2048]) and down ([2048, 7168]) matmuls at 8 slots,
-    the gate at 64, the gate at 8 slots over a quarter of the experts (one device's under expert parallelism 4: a
-    stack under 2 GiB, which could be loaded as it is), and FP8 projections as one group (q_a, o_proj, the dense layer's gate) at
-    one row."""
+    """The kernel's calls in a V3 step: the routed gate ([7168, 2048]) and down ([2048, 7168]) matmuls at one
+    token's 8 slots (its rows in slot order, as a batch-1 step runs them) and at 8 tokens' 64 (sorted), and the FP8
+    projections as one group at one row: q_a, q_b, kv_a, o_proj, the dense layer's gate, the shared expert's gate."""
     experts = experts_of(shape)
-    cases = []
-    for slots, names, share in ((8, ("we_gate", "we_down"), 1), (64, ("we_gate",), 1), (8, ("we_gate",), 4)):
-        count = shape["experts"] // share
-        ids, _ = routing_of(dict(shape, experts=count), slots // shape["top"], slots)
-        sizes = jnp.bincount(ids.reshape(-1), length=count).astype(jnp.int32)
-        for name in names:
-            cases.append(dict(matrix=name if share == 1 else f"{name} 1/{share}", rows=slots,
-                              w=experts[name][:count], scale=experts[name + "_scale"][:count], sizes=sizes))
+    ids, _ = routing_of(shape, 1, 8)
+    cases = [dict(matrix=name, rows=ids.size, w=experts[name], scale=experts[name + "_scale"], row_groups=ids[0])
+             for name in ("we_gate", "we_down")]
+    ids, _ = routing_of(shape, 8, 64)
+    sizes = jnp.bincount(ids.reshape(-1), length=shape["experts"]).astype(jnp.int32)
+    cases += [dict(matrix=name, rows=ids.size, w=experts[name], scale=experts[name + "_scale"], group_sizes=sizes)
+              for name in ("we_gate", "we_down")]
     H = shape["hidden"]
-    for index, (name, (rows, cols)) in enumerate({"wq_a": (H, 1536), "wo": (16384, H), "w_gate": (H, 18432)}.items()):
+    singles = {"wq_a": (H, 1536), "wq_b": (1536, 24576), "wkv_a": (H, 576), "wo": (16384, H), "w_gate": (H, 18432),
+               "ws_gate": (H, shape["inter"])}
+    for index, (name, (rows, cols)) in enumerate(singles.items()):
         single = experts_of(dict(shape, experts=1, hidden=rows, inter=cols), seed=index + 1)
         cases.append(dict(matrix=name, rows=1, w=single["we_gate"], scale=single["we_gate_scale"],
-                          sizes=jnp.ones((1,), jnp.int32)))
+                          group_sizes=jnp.ones((1,), jnp.int32)))
     return cases
 
 
@@ -131,21 +133,24 @@ def sweep_rows(shape: dict, bandwidth: float, axes: tuple[str, ...] = tuple(SWEE
     config's), against the floor (the selected matrices' bytes)."""
     rows = []
     for case in sweep_cases(shape):
-        w, scale, sizes = case["w"], case["scale"], case["sizes"]
+        w, scale = case["w"], case["scale"]
+        groups = {key: case[key] for key in ("group_sizes", "row_groups") if key in case}
         x = random_init.normal(jax.random.key(case["rows"]), (case["rows"], w.shape[1]), jnp.bfloat16, scale=1.0)
-        want = grouped_matmul_reference(x, w, sizes, scale=scale, block=FP8_BLOCK)
-        floor_ms = 1e3 * int((sizes > 0).sum()) * (w[0].nbytes + scale[0].nbytes) / bandwidth
+        want = grouped_matmul_reference(x, w, **groups, scale=scale, block=FP8_BLOCK)
+        selected = (jnp.unique(case["row_groups"]).size if "row_groups" in case
+                    else int((case["group_sizes"] > 0).sum()))
+        floor_ms = 1e3 * selected * (w[0].nbytes + scale[0].nbytes) / bandwidth
         for values in itertools.product(*(SWEEP[axis] for axis in axes)):
             config = dataclasses.replace(default_config(w.shape[0], w.dtype.itemsize), **dict(zip(axes, values)))
             if config.pairs is False and needs_pairs(w):   # its offsets need pairs
                 continue
-            fn = jax.jit(lambda x, w, scale, sizes, config=config: grouped_matmul(x, w, sizes, scale=scale,
-                                                                                block=FP8_BLOCK, config=config))
-            got = fn(x, w, scale, sizes)
-            device_ms, kernel_ms = device_times(lambda: fn(x, w, scale, sizes))
+            fn = jax.jit(lambda x, w, scale, groups, config=config: grouped_matmul(
+                x, w, **groups, scale=scale, block=FP8_BLOCK, config=config))
+            got = fn(x, w, scale, groups)
+            device_ms, kernel_ms = device_times(lambda: fn(x, w, scale, groups))
             row = dict(matrix=case["matrix"], rows=case["rows"], **{axis: getattr(config, axis) for axis in SWEEP},
                        device_ms=device_ms, kernel_ms=kernel_ms, of_floor=floor_ms / kernel_ms,
-                       rel_err=relative_error(got, want))
+                       device_of_floor=floor_ms / device_ms, rel_err=relative_error(got, want))
             rows.append(row)
             print_table([row])
     return rows

@@ -5,15 +5,18 @@ bandwidth measured in the same process (FlashMLA's published anchor: ~3000 GB/s 
 Heads: 128 (DeepSeek-V3 on one device) and 16 (V2-Lite, or V3 over 8 devices); context 4k-32k, batch 8-64, T = 1
 query tokens per row (`--tokens 4`: a verify pass of k = 3 drafts, as MTP runs it).
 Each timed call reads a different layer of a cache of several layers (more bytes than the 50 MB L2), and the device
-time comes from a profiler trace. `--sweep` times launch parameters at a few shapes.
+time comes from a profiler trace. `--sweep` times launch parameters at a few shapes (V3's decode step at context
+1024 among them) over every axis of SWEEP or those `--sweep-over` names (the others as the default config has them).
 
-    PYTHONPATH=. python benchmarks/bench_latent_attention.py [--tokens T] [--sweep] [--smoke]
+    PYTHONPATH=. python benchmarks/bench_latent_attention.py [--tokens T] [--sweep | --sweep-only]
+        [--sweep-over AXES] [--smoke]
 
 Writes $OUT/bench_latent_attention.json (and bench_latent_attention_sweep.json) and prints each row as it comes.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 
@@ -29,8 +32,8 @@ RANK, ROPE = 512, 64
 WIDTH = RANK + ROPE
 SHAPES = {128: [(b, c) for b in (8, 16, 32, 64) for c in (4096, 8192, 16384, 32768)],
           16: [(b, c) for b in (8, 64) for c in (4096, 32768)]}
-SWEEP_SHAPES = ((128, 8, 4096), (128, 64, 16384), (16, 64, 32768))
-SWEEP = {"block_k": (16, 32, 64), "rows_per_tile": (16, 32, 64), "num_warps": (4, 8)}
+SWEEP_SHAPES = ((128, 1, 1024), (128, 8, 1024), (128, 8, 4096), (128, 64, 16384), (16, 64, 32768))
+SWEEP = {"block_k": (16, 32, 64), "rows_per_tile": (16, 32, 64), "num_warps": (4, 8), "num_splits": (1, 4, 8, 16, 32)}
 SMOKE_SHAPES = {4: [(2, 64)]}
 ROTATION_BYTES = 1 << 30
 CALLS = 3
@@ -93,23 +96,24 @@ def form_rows(shapes: dict, bandwidth: float, smoke: bool, tokens: int) -> list[
     return rows
 
 
-def sweep_rows(shapes, bandwidth: float, smoke: bool, tokens: int) -> list[dict]:
+def sweep_rows(shapes, bandwidth: float, smoke: bool, tokens: int, axes: tuple[str, ...] = tuple(SWEEP)) -> list[dict]:
     interpret = interpret_kernels()
     rows = []
     for heads, batch, context in shapes:
         layers = cache_layers(batch, context, smoke)
         q, cache, start = inputs(heads, batch, context, layers, tokens)
         read_gb = batch * context * WIDTH * 2 / 1e9
-        splits = default_config(q.shape, cache.shape, value_dim=RANK).num_splits
-        for values in itertools.product(*SWEEP.values()):
-            config = KernelConfig(**dict(zip(SWEEP, values)), num_splits=splits)
+        default = default_config(q.shape, cache.shape, value_dim=RANK)
+        for values in itertools.product(*(SWEEP[axis] for axis in axes)):
+            config = dataclasses.replace(default, **dict(zip(axes, values)))
             try:
                 ms = device_ms(kernel_fn(config, interpret), q, cache, start, layers)
             except Exception as error:  # a variant needing more shared memory or registers than the SM has
                 print(f"{config}: failed: {str(error)[:160]}", flush=True)
                 continue
-            row = dict(heads=heads, batch=batch, context=context, tokens=tokens, **dict(zip(SWEEP, values)),
-                       splits=splits, ms=ms, GBps=read_gb / ms * 1e3, of_copy=read_gb / ms * 1e12 / bandwidth)
+            row = dict(heads=heads, batch=batch, context=context, tokens=tokens,
+                       **{axis: getattr(config, axis) for axis in SWEEP}, ms=ms, GBps=read_gb / ms * 1e3,
+                       of_copy=read_gb / ms * 1e12 / bandwidth)
             rows.append(row)
             print_table([row])
     return rows
@@ -118,17 +122,23 @@ def sweep_rows(shapes, bandwidth: float, smoke: bool, tokens: int) -> list[dict]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="also time the kernel's launch parameters")
+    parser.add_argument("--sweep-only", action="store_true", help="only the launch parameters")
+    parser.add_argument("--sweep-over", default=",".join(SWEEP), help="the axes swept: " + ", ".join(SWEEP))
     parser.add_argument("--tokens", type=int, default=1, help="query tokens per row (a verify pass: k + 1)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script")
     args = parser.parse_args()
     bandwidth = copy_bandwidth(64 << 20 if args.smoke else 2 << 30)
     print(f"{jax.devices()[0].device_kind}: copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
-    print("wrote", write_json("bench_latent_attention", form_rows(SMOKE_SHAPES if args.smoke else SHAPES, bandwidth,
-                                                                  args.smoke, args.tokens)))
-    if args.sweep:
+    axes = tuple(args.sweep_over.split(","))
+    if not set(axes) <= set(SWEEP):
+        parser.error(f"--sweep-over: {sorted(set(axes) - set(SWEEP))} not among {list(SWEEP)}")
+    if not args.sweep_only:
+        print("wrote", write_json("bench_latent_attention", form_rows(
+            SMOKE_SHAPES if args.smoke else SHAPES, bandwidth, args.smoke, args.tokens)))
+    if args.sweep or args.sweep_only:
         shapes = ((4, 2, 64),) if args.smoke else SWEEP_SHAPES
         print("wrote", write_json("bench_latent_attention_sweep", sweep_rows(shapes, bandwidth, args.smoke,
-                                                                             args.tokens)))
+                                                                             args.tokens, axes)))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from specjax.kernels import grouped_matmul_triton as grouped_matmul_triton_module
 from specjax.kernels.grouped_matmul import grouped_matmul
 from specjax.kernels.grouped_matmul_reference import grouped_matmul_reference
-from specjax.kernels.grouped_matmul_triton import (BLOCK_M, GroupedMatmulConfig, default_pairs, f16_rows,
-                                                   grouped_matmul_triton, max_tiles, needs_pairs, tile_table)
+from specjax.kernels.grouped_matmul_triton import (BLOCK_M, GroupedMatmulConfig, busy_tiles, default_k_splits,
+                                                   default_pairs, f16_rows, grouped_matmul_triton, max_tiles,
+                                                   needs_pairs, tile_table)
 from specjax.kernels.policy import KernelPolicy, has_kernels
 from specjax.kernels.projection_reference import rms_norm
 from specjax.models.fp8 import dequantize_blocks, quantize_blocks
@@ -88,6 +89,33 @@ def test_kernel_and_reference_match_the_float64_oracle(k, n, block, pairs, dtype
         assert not np.asarray(got[-2:]).any()
     if dtype == jnp.float32:
         assert relative_error(kernel, np.asarray(reference, np.float64)) < 1e-6
+
+
+@pytest.mark.parametrize("k_splits", [1, 2, 3, 4])
+def test_any_split_of_k_gives_the_product(k_splits):
+    """K in 4 chunks (the last partial) split 1-4 ways (3 ways: runs of 2, 2 and none): the oracle's product."""
+    k, n, block = CASES[0]
+    w, scale = make_stack(0, len(SIZES), k, n, jnp.float32, block)
+    x = make_rows(1, sum(SIZES), k, jnp.float32)
+    got = grouped_matmul(x, w, jnp.asarray(SIZES, jnp.int32), scale=scale, block=block, kernels=INTERPRET,
+                         config=GroupedMatmulConfig(block_n=16, k_splits=k_splits))
+    assert relative_error(got, oracle(x, w, SIZES, scale, block)) < 1e-5
+
+
+@pytest.mark.parametrize("rows, groups, one_per_row", [(1, 1, False), (8, 256, True), (64, 256, False),
+                                                       (64, 1, False), (4096, 256, False)])
+@pytest.mark.parametrize("column_blocks, k_chunks", [(16, 56), (56, 16), (4, 56), (192, 12), (1, 1)])
+def test_k_splits_fill_the_target_programs_without_passing_them(rows, groups, one_per_row, column_blocks,
+                                                                k_chunks):
+    tiles = busy_tiles(rows, groups, one_per_row)
+    assert tiles == (rows if one_per_row else max(-(-rows // BLOCK_M), min(rows, groups)))
+    splits = default_k_splits(column_blocks, k_chunks, tiles)
+    per_split = -(-k_chunks // splits)
+    assert 1 <= splits <= k_chunks and -(-k_chunks // per_split) == splits   # whole chunks, none idle
+    programs = grouped_matmul_triton_module._TARGET_PROGRAMS
+    assert tiles * column_blocks * splits <= max(programs, tiles * column_blocks)
+    if splits < k_chunks:   # one more split would not have passed the target by much
+        assert tiles * column_blocks * (splits + 1) > programs // 2
 
 
 _jitted_tile_table = jax.jit(tile_table, static_argnums=1)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from specjax.kernels.moe_routing import select_experts
 from specjax.kernels.moe_routing_reference import Routing, select_experts_reference
 from specjax.kernels.moe_routing_triton import select_experts_triton
-from specjax.kernels.policy import KernelPolicy
+from specjax.kernels.policy import KernelPolicy, has_kernels
 
 # (experts, n_group, topk_group, k): V3's layout scaled down, V2's 160 experts in groups of 20, one group.
 LAYOUTS = [(32, 8, 4, 8), (64, 8, 3, 6), (160, 8, 3, 6), (24, 4, 2, 3), (16, 1, 1, 4)]
@@ -51,6 +51,21 @@ def test_the_kernel_chooses_as_the_reference(seed, layout, method_scoring, tied,
     alone_ids, alone_weights = select_experts_triton(logits[:1], bias, routing, interpret=True)
     np.testing.assert_array_equal(np.asarray(alone_ids), np.asarray(got_ids[:1]))
     np.testing.assert_array_equal(np.asarray(alone_weights), np.asarray(got_weights[:1]))
+
+
+@pytest.mark.skipif(not has_kernels(jax.devices()[0]), reason="compiles the Triton kernel (a CUDA GPU)")
+@pytest.mark.parametrize("layout, method, scoring", [((256, 8, 4, 8), "noaux_tc", "sigmoid"),
+                                                     ((160, 8, 3, 6), "group_limited_greedy", "softmax")])
+def test_the_compiled_kernel_chooses_as_the_reference_on_the_gpu(layout, method, scoring):
+    """V3's and V2's layouts at batch 1 and 32: the compiled kernel picks the reference's experts."""
+    routing = routing_for(layout, method, scoring, norm=True)
+    bias = jnp.asarray(np.random.default_rng(1).standard_normal(layout[0]).astype(np.float32) * 0.1)
+    for tokens in (1, 32):
+        logits = jnp.asarray(draw_logits(tokens, tokens, layout[0], tied=False))
+        want_ids, want_weights = select_experts_reference(logits, bias, routing)
+        got_ids, got_weights = jax.jit(lambda x: select_experts_triton(x, bias, routing))(logits)
+        np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(want_ids))
+        np.testing.assert_allclose(np.asarray(got_weights), np.asarray(want_weights), rtol=1e-5, atol=0)
 
 
 def test_the_dispatcher_runs_the_kernel_where_the_policy_says():

@@ -69,13 +69,15 @@ class GroupedMatmulConfig:
 
 
 def default_config(groups: int, itemsize: int) -> GroupedMatmulConfig:
-    """Launch parameters for a stack of `groups` matrices of `itemsize`-byte elements: narrow column blocks for
-    MoE experts (a few rows each), wide ones with 8 warps for one dense matrix, twice the columns for 1-byte
-    elements (an H200 sweep, benchmarks/RESULTS.md, in bytes per row of a tile)."""
-    widen = 2 if itemsize == 1 else 1
+    """Launch parameters for a stack of `groups` matrices of `itemsize`-byte elements: for 1-byte (FP8) stacks
+    128 columns and 4 warps, experts and single matrices alike; for 2-byte ones narrow column blocks for MoE
+    experts (a few rows each) and wide ones with 8 warps for one dense matrix (sweeps in benchmarks/RESULTS.md,
+    "The grouped kernel's launch parameters with float16 rows")."""
+    if itemsize == 1:
+        return GroupedMatmulConfig(block_n=128)
     if groups == 1:
-        return GroupedMatmulConfig(block_n=64 * widen, num_warps=8)
-    return GroupedMatmulConfig(block_n=32 * widen)
+        return GroupedMatmulConfig(block_n=64, num_warps=8)
+    return GroupedMatmulConfig(block_n=32)
 
 
 def default_pairs(w: jax.Array) -> bool:
@@ -88,11 +90,18 @@ def needs_pairs(w: jax.Array) -> bool:
     return w.dtype.itemsize == 1 and 2 ** 31 <= w.size <= 2 ** 32
 
 
-def default_k_splits(column_blocks: int, k_chunks: int) -> int:
-    """Enough splits of K for one tile's programs to reach _TARGET_PROGRAMS, whole chunks each, at most one
-    split per chunk."""
-    wanted = min(k_chunks, max(1, -(-_TARGET_PROGRAMS // column_blocks)))
+def default_k_splits(column_blocks: int, k_chunks: int, tiles: int = 1) -> int:
+    """Splits of K for `tiles` busy row tiles' programs to come near _TARGET_PROGRAMS without passing it (more,
+    shorter programs lost on an H100: RESULTS.md, "The grouped kernel's launch parameters with float16 rows"),
+    whole chunks each, at most one split per chunk."""
+    wanted = min(k_chunks, max(1, _TARGET_PROGRAMS // (tiles * column_blocks)))
     return -(-k_chunks // -(-k_chunks // wanted))
+
+
+def busy_tiles(rows: int, groups: int, one_per_row: bool) -> int:
+    """The row tiles a call is expected to fill: one per row for rows in any order; for sorted rows their whole
+    tiles, or one per group with rows where groups outnumber those (a few rows over many experts)."""
+    return rows if one_per_row else max(-(-rows // BLOCK_M), min(groups, rows))
 
 
 def tile_table(group_sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -161,7 +170,8 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array | N
     block_n = config.block_n // 2 if pairs else config.block_n
     block_k = block[0] if scale is not None else config.block_k
     column_blocks, k_chunks = pl.cdiv(stored.shape[2], block_n), pl.cdiv(in_features, block_k)
-    splits = 1 if rows > MAX_SPLIT_ROWS else config.k_splits or default_k_splits(column_blocks, k_chunks)
+    splits = 1 if rows > MAX_SPLIT_ROWS else config.k_splits or default_k_splits(
+        column_blocks, k_chunks, busy_tiles(rows, groups, row_groups is not None))
     chunks_per_split = pl.cdiv(k_chunks, splits)
     splits = pl.cdiv(k_chunks, chunks_per_split)
     tiles = tile_table(group_sizes, rows) if row_groups is None else row_tiles(row_groups)
