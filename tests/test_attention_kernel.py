@@ -321,11 +321,13 @@ def test_invalid_inputs_raise_clear_errors(change, error):
 
 def test_default_config_for_a_latent_cache_keeps_accumulators_and_blocks_small():
     """DeepSeek's 576-wide latent, values 512 wide: 32-row tiles of 128 heads (a [32, 512] fp32 accumulator), 16
-    rows for 16 heads, 64-slot blocks, 4 warps (the H200 sweep's best)."""
+    rows for 16 heads, 64-slot blocks, 4 warps (the H200 sweep's best); at a short context a split per block."""
     v3 = default_config((8, 1, 128, 576), (61, 8, 1, 4096, 576), value_dim=512)
     tp8 = default_config((64, 1, 16, 576), (61, 64, 1, 32768, 576), value_dim=512)
     assert (v3.rows_per_tile, v3.block_k, v3.num_warps) == (32, 64, 4) and v3.num_splits > 1
     assert (tp8.rows_per_tile, tp8.block_k, tp8.num_warps) == (16, 64, 4)
+    step = default_config((1, 1, 128, 576), (4, 1, 1, 1025, 576), value_dim=512)   # V3's batch-1 decode step
+    assert step.num_splits * step.block_k == 1024   # a split per 64-slot block: 64 programs, not 16
 
 
 def test_default_config_splits_only_when_programs_are_few():

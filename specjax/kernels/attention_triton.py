@@ -106,10 +106,12 @@ def default_config(q_shape: tuple[int, ...], cache_shape: tuple[int, ...],
     block_k = min(64 if rows_per_tile * value_dim >= _MAX_ROWS_PER_TILE * 128 else 128,
                   _previous_power_of_two(65536 // head_dim), max(16, _next_power_of_two(num_slots)))
     programs = batch * num_kv_heads * num_tiles
-    # About two programs per SM (rounded down to a power of two: H200 sweep, RESULTS.md),
-    # with at least four blocks per split of a full cache.
+    # About two programs per SM (rounded down to a power of two: H200 sweep, RESULTS.md), each split at least
+    # four blocks of a full cache; of a latent (keys and values one 576-wide row, a 64-slot block 2.25x a 128-wide
+    # head's keys and values) one block: V3's batch-1 step at context 1024 ran 16 programs of four blocks, 20 us.
     wanted = _previous_power_of_two(-(-2 * sm_count // programs))
-    num_splits = min(wanted, _previous_power_of_two(num_slots // (4 * block_k)), 64)
+    min_blocks = 4 if value_dim == head_dim else 1
+    num_splits = min(wanted, _previous_power_of_two(num_slots // (min_blocks * block_k)), 64)
     num_warps = 8 if rows_per_tile >= _MAX_ROWS_PER_TILE else 4
     return KernelConfig(block_k=block_k, rows_per_tile=rows_per_tile, num_splits=num_splits,
                         num_warps=num_warps, num_stages=2)
