@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 
 import dataclasses
+import weakref
 
 from checkpoints_conv import convert_hf_to_orbax
 from conftest import TINY_FAMILIES, jitted_forward, read_checkpoint
 from specjax.kernels.policy import KernelPolicy
+from specjax.models.family import unstack_leaves
 from specjax.models.llama import FAMILY, LlamaConfig, stack_layers, unstack_layers
 
 REL_TOL = 1e-4
@@ -130,6 +132,29 @@ def test_per_layer_layout_round_trips_and_releases_the_stacked_leaves(tiny_check
             np.testing.assert_array_equal(leaf, stacked[name][i])
     for name, leaf in stack_layers(per_layer)["layers"].items():
         np.testing.assert_array_equal(leaf, stacked[name])
+
+
+class _WatchedLeaves(dict):
+    """Stacked leaves that note, each time one is taken, how many of them are still alive."""
+
+    def __init__(self, leaves: dict):
+        super().__init__(leaves)
+        self.refs = [weakref.ref(leaf) for leaf in leaves.values()]
+        self.alive_when_taken: list[int] = []
+
+    def pop(self, key, *default):
+        self.alive_when_taken.append(sum(ref() is not None for ref in self.refs))
+        return super().pop(key, *default)
+
+
+def test_unstacking_frees_each_stacked_leaf_before_taking_the_next():
+    """What lets a model whose weights fill most of a device load with its layers unrolled: at most one leaf is
+    held twice (the llama and DeepSeek families unstack through this)."""
+    stacked = _WatchedLeaves({name: jnp.arange(12.0).reshape(3, 4) + i for i, name in enumerate("abcd")})
+    layers = unstack_leaves(stacked, 3)
+    assert stacked.alive_when_taken == [4, 3, 2, 1] and not stacked
+    assert all(ref() is None for ref in stacked.refs)
+    np.testing.assert_array_equal(layers[2]["c"], np.arange(8.0, 12.0) + 2)
 
 
 def test_llama3_rope_scaling_matters(tiny_checkpoint_factory):

@@ -23,7 +23,7 @@ from specjax.kernels.moe_routing_reference import SCORING_FUNCS, TOPK_METHODS, R
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.tree_mask import TreeMask
 from specjax.kernels.projection_reference import rms_norm
-from specjax.models.family import ForwardAux, default_unroll, module_from_params
+from specjax.models.family import ForwardAux, default_unroll, module_from_params, unstack_leaves
 from specjax.models import random_init
 from specjax.models.fp8 import dequantize_blocks
 from specjax.models.mla import LatentCache, mla_attention, split_kv_b
@@ -364,12 +364,10 @@ def _as_nnx(tree: Any) -> Any:
 
 def unstack_groups(params: dict, cfg: DeepseekConfig) -> dict:
     """A checkpoint's tree (each group's leaves stacked over its layers) in the per-layer layout
-    {group: {j: {...}}}; consumes `params` group by group."""
+    {group: {j: {...}}}; consumes `params` leaf by leaf (family.unstack_leaves)."""
     for group, layers in cfg.group_layers.items():
         if layers:
-            stacked = params.pop(group)
-            params[group] = {j: {name: leaf[j] for name, leaf in stacked.items()} for j in range(len(layers))}
-            del stacked
+            params[group] = unstack_leaves(params.pop(group), len(layers))
     return params
 
 
@@ -381,8 +379,8 @@ class DeepseekForCausalLM(nnx.Module):
         self.cfg = cfg
         self.kernels = kernels
         self.unroll_layers = default_unroll() if unroll_layers is None else unroll_layers
-        flat = {path: init_leaf(path, spec, dtype, rngs.params()) for path, spec in weight_map(cfg).items()}
-        tree = nest_paths(flat)
+        # No name holds the flat leaves: unstacking frees each stacked leaf once split.
+        tree = nest_paths({path: init_leaf(path, spec, dtype, rngs.params()) for path, spec in weight_map(cfg).items()})
         if self.unroll_layers:
             tree = unstack_groups(tree, cfg)
         for name, value in tree.items():

@@ -120,6 +120,18 @@ def default_unroll() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def unstack_leaves(stacked: dict, count: int) -> dict[int, dict]:
+    """Leaves stacked over `count` layers {name: [count, ...]} as {i: {name: leaf[i]}}, consuming `stacked` one leaf
+    at a time: the device holds at most one leaf twice (every leaf twice would not fit a large model's device)."""
+    layers: dict[int, dict] = {i: {} for i in range(count)}
+    for name in list(stacked):
+        leaf = stacked.pop(name)
+        for i in range(count):
+            layers[i][name] = leaf[i]
+        del leaf
+    return layers
+
+
 def module_from_params(module_cls: Callable[..., nnx.Module], cfg: Any, params: dict, *, kernels: KernelPolicy,
                        unroll_layers: bool | None, unstack: Callable[[dict], dict]) -> nnx.Module:
     """A family's module holding a loaded param tree (stacked layer leaves; `unstack` turns it into the per-layer

@@ -22,7 +22,7 @@ from specjax.kernels.attention import attention
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.prefill_attention import prefill_attention
 from specjax.kernels.tree_mask import TreeMask
-from specjax.models.family import ForwardAux, default_unroll, module_from_params
+from specjax.models.family import ForwardAux, default_unroll, module_from_params, unstack_leaves
 from specjax.models.kv_cache import KVCache, write_layer
 from specjax.models.layers import decoder_layer, rms_norm
 from specjax.models.random_init import normal_param, ones_param
@@ -249,15 +249,8 @@ def ignored_tensors(cfg: LlamaConfig) -> str | None:
 
 def unstack_layers(params: dict, num_layers: int) -> dict:
     """A checkpoint's param tree (stacked layer leaves) in the per-layer layout: {"layers": {i: {...}}}.
-    Consumes `params`: each stacked leaf is dropped from it once split, so the device holds at most one
-    leaf twice."""
-    stacked = params.pop("layers")
-    layers: dict[int, dict[str, jax.Array]] = {i: {} for i in range(num_layers)}
-    for name in list(stacked):
-        leaf = stacked.pop(name)
-        for i in range(num_layers):
-            layers[i][name] = leaf[i]
-        del leaf
+    Consumes `params` leaf by leaf (family.unstack_leaves)."""
+    layers = unstack_leaves(params.pop("layers"), num_layers)
     return {**params, "layers": layers}
 
 
