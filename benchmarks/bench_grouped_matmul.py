@@ -99,7 +99,8 @@ def form_rows(shapes: dict, tokens_list, bandwidth: float) -> list[dict]:
 def sweep_cases(shape: dict) -> list[dict]:
     """The kernel's calls in a V3 step: the routed gate ([7168, 2048]) and down ([2048, 7168]) matmuls at one
     token's 8 slots (its rows in slot order, as a batch-1 step runs them) and at 8 tokens' 64 (sorted), and the FP8
-    projections as one group at one row: q_a, q_b, kv_a, o_proj, the dense layer's gate, the shared expert's gate."""
+    projections as one group at one row: q_a and kv_a side by side (wqkv_a), q_b, o_proj, the dense layer's gate,
+    the shared expert's gate."""
     experts = experts_of(shape)
     ids, _ = routing_of(shape, 1, 8)
     cases = [dict(matrix=name, rows=ids.size, w=experts[name], scale=experts[name + "_scale"], row_groups=ids[0])
@@ -109,7 +110,7 @@ def sweep_cases(shape: dict) -> list[dict]:
     cases += [dict(matrix=name, rows=ids.size, w=experts[name], scale=experts[name + "_scale"], group_sizes=sizes)
               for name in ("we_gate", "we_down")]
     H = shape["hidden"]
-    singles = {"wq_a": (H, 1536), "wq_b": (1536, 24576), "wkv_a": (H, 576), "wo": (16384, H), "w_gate": (H, 18432),
+    singles = {"wqkv_a": (H, 1536 + 576), "wq_b": (1536, 24576), "wo": (16384, H), "w_gate": (H, 18432),
                "ws_gate": (H, shape["inter"])}
     for index, (name, (rows, cols)) in enumerate(singles.items()):
         single = experts_of(dict(shape, experts=1, hidden=rows, inter=cols), seed=index + 1)

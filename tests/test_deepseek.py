@@ -165,7 +165,7 @@ def test_fp8_weights_stay_fp8_on_the_device_and_match_transformers_on_the_dequan
     assert cfg.fp8_block == (128, 128)
     leaves = dict(jax.tree_util.tree_leaves_with_path(params))
     dtypes = {jax.tree_util.keystr(path): leaf.dtype for path, leaf in leaves.items()}
-    for name in ("wq_a", "wq_b", "wkv_a", "wo", "w_gate", "w_down", "we_gate", "we_up", "we_down", "ws_up"):
+    for name in ("wqkv_a", "wq_b", "wo", "w_gate", "w_down", "we_gate", "we_up", "we_down", "ws_up"):
         found = [d for path, d in dtypes.items() if path.endswith(f"['{name}']")]
         assert found and all(d == jnp.float8_e4m3fn for d in found), name
     assert all(d == jnp.float32 for path, d in dtypes.items() if "_scale" in path or "router" in path)

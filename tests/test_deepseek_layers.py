@@ -186,13 +186,19 @@ def mla_weights(attn, config) -> dict[str, jax.Array]:
     sd = as_numpy(attn)
     w_uk, w_uv = mla.split_kv_b(sd["kv_b_proj.weight"], config.num_attention_heads, config.qk_nope_head_dim,
                                 config.v_head_dim)
-    weights = {"wkv_a": sd["kv_a_proj_with_mqa.weight"].T, "kv_norm": sd["kv_a_layernorm.weight"],
-               "w_uk": w_uk, "w_uv": w_uv, "wo": sd["o_proj.weight"].T}
+    kv_a = sd["kv_a_proj_with_mqa.weight"].T
+    weights = {"kv_norm": sd["kv_a_layernorm.weight"], "w_uk": w_uk, "w_uv": w_uv, "wo": sd["o_proj.weight"].T}
     if config.q_lora_rank is None:
-        weights["wq"] = sd["q_proj.weight"].T
+        weights.update(wq=sd["q_proj.weight"].T, wkv_a=kv_a)
     else:
-        weights.update(wq_a=sd["q_a_proj.weight"].T, q_norm=sd["q_a_layernorm.weight"], wq_b=sd["q_b_proj.weight"].T)
+        weights.update(wqkv_a=np.concatenate([sd["q_a_proj.weight"].T, kv_a], axis=1),
+                       q_norm=sd["q_a_layernorm.weight"], wq_b=sd["q_b_proj.weight"].T)
     return {name: jnp.asarray(w) for name, w in weights.items()}
+
+
+def latent_width(weights) -> int:
+    """A latent cache row's width: wkv_a's, or wqkv_a's columns past q_a's (unpadded: no FP8 blocks here)."""
+    return weights["wkv_a"].shape[1] if "wkv_a" in weights else weights["wqkv_a"].shape[1] - weights["q_norm"].shape[0]
 
 
 def mla_rope_settings(config) -> dict:
@@ -250,7 +256,7 @@ def run_mla_steps(variant: str, prefill_absorbed: bool, step_absorbed: bool):
     """Prefill (rows right-padded with noise to the longest prefix, into a NaN-filled cache), a decode step
     (T=1) and a verify step (T=4) at each row's own offset. Returns [(got, want)] per step and row."""
     weights, settings, hidden, want = mla_case(variant)
-    cache = jnp.full((1, 3, CACHE_SLOTS, weights["wkv_a"].shape[1]), jnp.nan, jnp.float32)
+    cache = jnp.full((1, 3, CACHE_SLOTS, latent_width(weights)), jnp.nan, jnp.float32)
     noise = np.random.default_rng(2).standard_normal(hidden.shape).astype(np.float32)
     padded = np.where(np.arange(hidden.shape[1])[None, :, None] < PREFIX[:, None, None], hidden, noise)
     steps = [(padded[:, :PREFIX.max()], np.zeros(3, np.int32), prefill_absorbed, [slice(0, n) for n in PREFIX]),
@@ -283,7 +289,7 @@ def test_mla_long_prefill_in_query_chunks(monkeypatch, absorbed):
     monkeypatch.setattr(mla, "QUERY_CHUNK", 4)
     monkeypatch.setattr(attention_reference, "QUERY_CHUNK", 4)
     weights, settings, hidden, want = mla_case("v3")
-    cache = jnp.full((2, 1, CACHE_SLOTS, weights["wkv_a"].shape[1]), jnp.nan, jnp.float32)
+    cache = jnp.full((2, 1, CACHE_SLOTS, latent_width(weights)), jnp.nan, jnp.float32)
     step = jax.jit(mla_step, static_argnames=("scale", "interleaved", "absorbed"))   # its own trace, under the patch
     args = (jnp.asarray(hidden[2:3, :9]), weights, cache, 1, jnp.zeros(1, jnp.int32))
     assert "scan" in str(jax.make_jaxpr(functools.partial(mla_step, **settings, absorbed=absorbed))(*args))
@@ -298,7 +304,7 @@ def test_absorbed_mla_runs_in_bfloat16():
     stay in the activations' dtype.)"""
     weights, settings, hidden, want = mla_case("v3")
     bf16 = {name: w.astype(jnp.bfloat16) for name, w in weights.items()}
-    cache = jnp.zeros((1, 3, CACHE_SLOTS, weights["wkv_a"].shape[1]), jnp.bfloat16)
+    cache = jnp.zeros((1, 3, CACHE_SLOTS, latent_width(weights)), jnp.bfloat16)
     out, _ = jitted_mla_step(jnp.asarray(hidden[:, :9], jnp.bfloat16), bf16, cache, 0, jnp.zeros(3, jnp.int32),
                              **settings, absorbed=True)
     assert out.dtype == jnp.bfloat16

@@ -26,7 +26,7 @@ from specjax.kernels.projection_reference import rms_norm
 from specjax.models.family import ForwardAux, default_unroll, module_from_params, unstack_leaves
 from specjax.models import random_init
 from specjax.models.fp8 import dequantize_blocks
-from specjax.models.mla import LatentCache, mla_attention, split_kv_b
+from specjax.models.mla import LatentCache, fused_q_width, mla_attention, split_kv_b
 from specjax.models.moe import moe, splits_shared, swiglu_mlp
 from specjax.models.rope import rotary, rope_type, yarn_softmax_scale
 from specjax.models.weight_map import LeafSpec
@@ -194,7 +194,7 @@ def _matrix(name: str, lead: tuple[int, ...], shape: tuple[int, int], cfg: Deeps
 
 
 _ATTN, _MLP = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
-_HF_NAMES = {"wq": _ATTN + "q_proj", "wq_a": _ATTN + "q_a_proj", "wq_b": _ATTN + "q_b_proj",
+_HF_NAMES = {"wq": _ATTN + "q_proj", "wq_b": _ATTN + "q_b_proj",
              "wkv_a": _ATTN + "kv_a_proj_with_mqa", "wo": _ATTN + "o_proj", "w_gate": _MLP + "gate_proj",
              "w_up": _MLP + "up_proj", "w_down": _MLP + "down_proj", "ws_gate": _MLP + "shared_experts.gate_proj",
              "ws_up": _MLP + "shared_experts.up_proj", "ws_down": _MLP + "shared_experts.down_proj"}
@@ -227,13 +227,12 @@ def layer_weight_map(cfg: DeepseekConfig, group: str, layers: tuple[int, ...]) -
 
     specs = {**vector("attn_norm", "model.layers.{i}.input_layernorm.weight", H),
              **vector("mlp_norm", "model.layers.{i}.post_attention_layernorm.weight", H),
-             **matrix("wkv_a", (H, cfg.latent_width)),
              **vector("kv_norm", _ATTN + "kv_a_layernorm.weight", cfg.kv_lora_rank),
              **_kv_b_map(cfg, layers), **matrix("wo", (cfg.num_heads * cfg.v_head_dim, H))}
     if cfg.q_lora_rank is None:
-        specs.update(matrix("wq", (H, heads_qk)))
+        specs.update({**matrix("wq", (H, heads_qk)), **matrix("wkv_a", (H, cfg.latent_width))})
     else:
-        specs.update({**matrix("wq_a", (H, cfg.q_lora_rank)),
+        specs.update({**_qkv_a_map(cfg, layers),
                       **vector("q_norm", _ATTN + "q_a_layernorm.weight", cfg.q_lora_rank),
                       **matrix("wq_b", (cfg.q_lora_rank, heads_qk))})
     if group == "dense":
@@ -248,6 +247,33 @@ def layer_weight_map(cfg: DeepseekConfig, group: str, layers: tuple[int, ...]) -
         specs.update({**matrix("ws_gate", (H, shared)), **matrix("ws_up", (H, shared)),
                       **matrix("ws_down", (shared, H))})
     return {**specs, **_experts_map(cfg, layers)}
+
+
+def _qkv_a_map(cfg: DeepseekConfig, layers: tuple[int, ...]) -> dict[str, LeafSpec]:
+    """wqkv_a [hidden, q_width + latent_width]: q_a_proj and kv_a_proj_with_mqa side by side (mla.py), q_a's
+    columns zero-padded to q_width; FP8: their block scales side by side likewise."""
+    H, q, kv = cfg.hidden_size, cfg.q_lora_rank, cfg.latent_width
+    width = fused_q_width(q, cfg.block)
+    names = (_ATTN + "q_a_proj.weight", _ATTN + "kv_a_proj_with_mqa.weight")
+
+    def side_by_side(padding: int):
+        def combine(parts):
+            q_part, kv_part = (part.T for part in parts)
+            return np.concatenate([q_part, np.zeros((q_part.shape[0], padding), q_part.dtype), kv_part], axis=1)
+        return combine
+
+    fp8 = cfg.fp8_block is not None
+    specs = {"wqkv_a": LeafSpec(names, (len(layers), H, width + kv), dtype="float8_e4m3fn" if fp8 else None,
+                                combine=side_by_side(width - q), part_shapes=((q, H), (kv, H)),
+                                layer_indices=layers)}
+    if fp8:
+        b_out, b_in = cfg.fp8_block
+        rows, q_blocks, kv_blocks = -(-H // b_in), width // b_out, -(-kv // b_out)
+        specs["wqkv_a_scale"] = LeafSpec(tuple(name + "_scale_inv" for name in names),
+                                         (len(layers), rows, q_blocks + kv_blocks), dtype="float32",
+                                         combine=side_by_side(0), part_shapes=((q_blocks, rows), (kv_blocks, rows)),
+                                         layer_indices=layers)
+    return specs
 
 
 def _kv_b_map(cfg: DeepseekConfig, layers: tuple[int, ...]) -> dict[str, LeafSpec]:
@@ -315,7 +341,7 @@ def partition_rules(cfg: DeepseekConfig, tensor_parallel_size: int) -> Partition
     shared = splits_shared(cfg.moe_intermediate_size * cfg.n_shared_experts, tensor_parallel_size, cfg.block)
     rules: dict[str, int | None] = {
         "embed": vocab, "lm_head": -1 if vocab is not None else None, "final_norm": None,
-        "attn_norm": None, "mlp_norm": None, "q_norm": None, "kv_norm": None, "wq_a": None, "wkv_a": None,
+        "attn_norm": None, "mlp_norm": None, "q_norm": None, "kv_norm": None, "wqkv_a": None, "wkv_a": None,
         "wq": -1, "wq_b": -1, "w_uk": -3, "w_uv": -3, "wo": -2,
         "w_gate": -1, "w_up": -1, "w_down": -2, "w_router": None, "router_bias": None,
         "ws_gate": -1 if shared else None, "ws_up": -1 if shared else None, "ws_down": -2 if shared else None}

@@ -8,17 +8,19 @@ layout): one write and one read per layer. Under tensor parallelism the rows are
 replicated while the heads (w_uk, w_uv, the q projection's columns, wo's rows) are split.
 
 Weights (a dict; matrices stored [in, out], the transpose of HF's [out, in] nn.Linear weights):
-  wq     [hidden, H * (nope + rope)]          q_proj, when q_lora_rank is null (V2-Lite); otherwise
-  wq_a   [hidden, q_lora_rank]                q_a_proj
+  wq     [hidden, H * (nope + rope)]          q_proj, when q_lora_rank is null (V2-Lite), with
+  wkv_a  [hidden, kv_lora_rank + rope]        kv_a_proj_with_mqa; [c_kv ; k_rope]; otherwise
+  wqkv_a [hidden, q_width + kv_lora_rank + rope]  q_a_proj and kv_a_proj_with_mqa side by side (one read of the
+                                              layer's input, one launch), q_a's columns zero-padded to q_width
+                                              (`fused_q_width`: whole FP8 blocks, so each part keeps its scales)
   q_norm [q_lora_rank]                        q_a_layernorm
   wq_b   [q_lora_rank, H * (nope + rope)]     q_b_proj; per head [q_nope ; q_rope]
-  wkv_a  [hidden, kv_lora_rank + rope]        kv_a_proj_with_mqa; [c_kv ; k_rope]
   kv_norm [kv_lora_rank]                      kv_a_layernorm (c_kv only)
   w_uk   [H, kv_lora_rank, nope]              kv_b_proj's key rows, per head, [in, out] (`split_kv_b`)
   w_uv   [H, kv_lora_rank, v]                 kv_b_proj's value rows, per head, [in, out]
   wo     [H * v, hidden]                      o_proj
 Head counts and widths are read off these shapes. An FP8 checkpoint adds `<name>_scale` block scales beside
-wq / wq_a / wq_b / wkv_a / wo (models/fp8.py `linear`); w_uk and w_uv are dequantized when loaded. attention_bias
+wq / wqkv_a / wq_b / wkv_a / wo (models/fp8.py `linear`); w_uk and w_uv are dequantized when loaded. attention_bias
 (biases on q_a/kv_a/o) is not supported: no DeepSeek checkpoint sets it.
 
 Expanded form (`expanded_attention`): the latent rows are up-projected to per-head keys [k_nope ; k_rope] (width
@@ -65,30 +67,31 @@ def split_kv_b(kv_b_weight, num_heads: int, nope_dim: int, v_dim: int):
     return per_head[:, :nope_dim].transpose(0, 2, 1), per_head[:, nope_dim:].transpose(0, 2, 1)
 
 
-def project_query(x: jax.Array, weights: dict, block: tuple[int, int] | None = None,
-                  kernels: KernelPolicy = KernelPolicy(),
-                  norm: tuple[jax.Array, float] | None = None) -> tuple[jax.Array, jax.Array]:
-    """q_nope [B, T, H, nope] and the not yet rotated q_rope [B, T, H, rope] of hidden states x [B, T, hidden]
-    (normalised by `norm` first, fp8.linear): q_proj, or q_a_proj -> q_a_layernorm -> q_b_proj when the weights
-    hold the low-rank pair."""
+def fused_q_width(q_lora_rank: int, block: tuple[int, int] | None) -> int:
+    """The columns q_a_proj takes in wqkv_a: q_lora_rank, rounded up to whole FP8 blocks ([in, out] `block`)."""
+    return q_lora_rank if block is None else -(-q_lora_rank // block[1]) * block[1]
+
+
+def project_inputs(x: jax.Array, weights: dict, block: tuple[int, int] | None = None,
+                   kernels: KernelPolicy = KernelPolicy(), norm: tuple[jax.Array, float] | None = None
+                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(q_nope [B, T, H, nope], the not yet rotated q_rope [B, T, H, rope], c_kv [B, T, R] normalised by
+    kv_a_layernorm, the not yet rotated shared k_rope [B, T, rope]) of hidden states x [B, T, hidden] (normalised
+    by `norm` first, fp8.linear): q_proj and kv_a_proj, or q_a_proj and kv_a_proj as one product (wqkv_a) with
+    q_a_layernorm -> q_b_proj after."""
     if "wq" in weights:
         q = linear(x, weights, "wq", block, kernels, norm)
+        latent = linear(x, weights, "wkv_a", block, kernels, norm)
     else:
-        q_latent = linear(x, weights, "wq_a", block, kernels, norm)
-        q = linear(q_latent, weights, "wq_b", block, kernels, (weights["q_norm"], LATENT_NORM_EPS))
+        both = linear(x, weights, "wqkv_a", block, kernels, norm)
+        q_lora = weights["q_norm"].shape[0]
+        latent = both[..., fused_q_width(q_lora, block):]
+        q = linear(both[..., :q_lora], weights, "wq_b", block, kernels, (weights["q_norm"], LATENT_NORM_EPS))
     num_heads, _, nope = weights["w_uk"].shape
     q = q.reshape(*x.shape[:-1], num_heads, -1)
-    return q[..., :nope], q[..., nope:]
-
-
-def project_latent(x: jax.Array, weights: dict, block: tuple[int, int] | None = None,
-                   kernels: KernelPolicy = KernelPolicy(),
-                   norm: tuple[jax.Array, float] | None = None) -> tuple[jax.Array, jax.Array]:
-    """c_kv [B, T, R] (normalised by kv_a_layernorm) and the not yet rotated shared k_rope [B, T, rope] of
-    hidden states x (normalised by `norm` first)."""
-    latent = linear(x, weights, "wkv_a", block, kernels, norm)
     rank = weights["kv_norm"].shape[0]
-    return rms_norm(latent[..., :rank], weights["kv_norm"], LATENT_NORM_EPS), latent[..., rank:]
+    c_kv = rms_norm(latent[..., :rank], weights["kv_norm"], LATENT_NORM_EPS)
+    return q[..., :nope], q[..., nope:], c_kv, latent[..., rank:]
 
 
 @jax.tree_util.register_dataclass
@@ -228,8 +231,7 @@ def mla_attention(x: jax.Array, weights: dict, cache: jax.Array, layer: jax.Arra
     batch, num_tokens = x.shape[:2]
     positions = (start.astype(jnp.int32)[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :] if tree is None
                  else tree.positions)
-    q_nope, q_rope = project_query(x, weights, block, kernels, norm)
-    c_kv, k_rope = project_latent(x, weights, block, kernels, norm)
+    q_nope, q_rope, c_kv, k_rope = project_inputs(x, weights, block, kernels, norm)
     q_rope = rotate(q_rope, positions)
     k_rope = rotate(k_rope[:, :, None, :], positions)[:, :, 0, :]
     cache = write_latent(cache, layer, jnp.concatenate([c_kv, k_rope], axis=-1), start)
