@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 
 from specjax.kernels.attention import attention, choose_attention
 from specjax.kernels.attention_reference import attention_reference
-from specjax.kernels.attention_triton import KernelConfig, attention_triton, default_config
+from specjax.kernels.attention_triton import KernelConfig, attention_triton, default_config, merge_splits
 from specjax.kernels.policy import KernelPolicy, has_kernels
 from specjax.kernels.tree_mask import TreeMask
 
@@ -317,6 +317,23 @@ def test_invalid_inputs_raise_clear_errors(change, error):
     with pytest.raises(error):
         attention(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), args.pop("layer"),
                   args.pop("start"), **args)
+
+
+@pytest.mark.parametrize("splits, rows, width", [(3, 37, 100), (16, 128, 512), (1, 5, 64)])
+def test_the_split_merge_weights_each_split_by_its_share_of_the_mass(splits, rows, width):
+    """Tiles past the rows and columns, a split count that is not a power of two, splits that saw nothing (lse
+    -inf, output 0): the float64 merge, in the requested dtype."""
+    rng = np.random.default_rng(splits)
+    out = rng.standard_normal((splits, rows, width)).astype(np.float32)
+    lse = (rng.standard_normal((splits, rows)) * 4).astype(np.float32)
+    empty = rng.random((splits, rows)) < 0.3
+    empty[rng.integers(0, splits, rows), np.arange(rows)] = False   # each row's own slot is in some split
+    lse[empty], out[empty] = -np.inf, 0.0
+    weights = np.exp2(lse.astype(np.float64) - lse.max(axis=0))
+    want = (weights[..., None] * out).sum(axis=0) / weights.sum(axis=0)[:, None]
+    got = merge_splits(jnp.asarray(out), jnp.asarray(lse), jnp.float32, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    assert merge_splits(jnp.asarray(out), jnp.asarray(lse), jnp.bfloat16, interpret=True).dtype == jnp.bfloat16
 
 
 def test_default_config_for_a_latent_cache_keeps_accumulators_and_blocks_small():

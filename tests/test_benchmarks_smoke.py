@@ -62,7 +62,7 @@ EXPECTED_ROWS = {
     "bench_stream": {"bench_stream": ("mode", ["generate", "generate_stream"])},
     "bench_sweep": {"bench_sweep": ("engine", ["plain", "auto k<=2"])},
     "bench_grouped_matmul": {"bench_grouped_matmul": ("form", ["kernel", "xla gathered", "xla ragged_dot"] * 2),
-                             "bench_grouped_matmul_sweep": ("f16_rows", [False, True] * 7)},
+                             "bench_grouped_matmul_sweep": ("f16_rows", [False, True] * 9)},
     "bench_latent_attention": {"bench_latent_attention": ("form", ["kernel", "xla"])},
     "bench_prefill": {"bench_prefill": ("shape", ["8b", "smollm2"]), "bench_prefill_model": ("tokens", [16, 32])},
 }
