@@ -110,7 +110,7 @@ def default_config(q_shape: tuple[int, ...], cache_shape: tuple[int, ...],
     programs = batch * num_kv_heads * num_tiles
     # About two programs per SM (rounded down to a power of two: H200 sweep, RESULTS.md), each split at least
     # four blocks of a full cache; of a latent (keys and values one 576-wide row, a 64-slot block 2.25x a 128-wide
-    # head's keys and values) one block: V3's batch-1 step at context 1024 ran 16 programs of four blocks, 20 us.
+    # head's keys and values) one block: V3's batch-1 step at context 1024 ran only 16 programs (RESULTS.md).
     wanted = _previous_power_of_two(-(-2 * sm_count // programs))
     min_blocks = 4 if value_dim == head_dim else 1
     num_splits = min(wanted, _previous_power_of_two(num_slots // (min_blocks * block_k)), 64)
