@@ -14,15 +14,13 @@ Writes $OUT/bench_grouped_matmul.json (and bench_grouped_matmul_sweep.json) and 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import (copy_bandwidth, interpret_kernels, median_time, print_table, relative_error,
-                               write_json)
+from benchmarks.common import (add_sweep_arguments, copy_bandwidth, interpret_kernels, median_time, print_table,
+                               relative_error, swept_axes, swept_configs, write_json)
 from benchmarks.device_trace import busy_ns, traced_kernels
 from specjax.kernels.grouped_matmul import grouped_matmul
 from specjax.kernels.grouped_matmul_reference import grouped_matmul_reference
@@ -141,8 +139,7 @@ def sweep_rows(shape: dict, bandwidth: float, axes: tuple[str, ...] = tuple(SWEE
         selected = (jnp.unique(case["row_groups"]).size if "row_groups" in case
                     else int((case["group_sizes"] > 0).sum()))
         floor_ms = 1e3 * selected * (w[0].nbytes + scale[0].nbytes) / bandwidth
-        for values in itertools.product(*(SWEEP[axis] for axis in axes)):
-            config = dataclasses.replace(default_config(w.shape[0], w.dtype.itemsize), **dict(zip(axes, values)))
+        for config in swept_configs(default_config(w.shape[0], w.dtype.itemsize), SWEEP, axes):
             if config.pairs is False and needs_pairs(w):   # its offsets need pairs
                 continue
             fn = jax.jit(lambda x, w, scale, groups, config=config: grouped_matmul(
@@ -159,12 +156,11 @@ def sweep_rows(shape: dict, bandwidth: float, axes: tuple[str, ...] = tuple(SWEE
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sweep", action="store_true", help="also time the kernel's launch parameters")
-    parser.add_argument("--sweep-only", action="store_true", help="only the launch parameters")
-    parser.add_argument("--sweep-over", default=",".join(SWEEP), help="the axes swept: " + ", ".join(SWEEP))
+    add_sweep_arguments(parser, SWEEP)
     parser.add_argument("--shapes", default=",".join(SHAPES), help="the forms' shapes: " + ", ".join(SHAPES))
     parser.add_argument("--smoke", action="store_true", help="tiny experts, to check the script")
     args = parser.parse_args()
+    axes = swept_axes(parser, args, SWEEP)
     bandwidth = copy_bandwidth(64 << 20 if args.smoke else 2 << 30)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     shapes, tokens = (SMOKE_SHAPES, SMOKE_TOKENS) if args.smoke else (
@@ -172,9 +168,6 @@ def main() -> None:
     if not args.sweep_only:
         print("wrote", write_json("bench_grouped_matmul", form_rows(shapes, tokens, bandwidth)))
     if args.sweep or args.sweep_only:
-        axes = tuple(args.sweep_over.split(","))
-        if not set(axes) <= set(SWEEP):
-            parser.error(f"--sweep-over: {sorted(set(axes) - set(SWEEP))} not among {list(SWEEP)}")
         shape = (SMOKE_SHAPES if args.smoke else SHAPES)["v3_fp8"]
         print("wrote", write_json("bench_grouped_matmul_sweep", sweep_rows(shape, bandwidth, axes)))
 

@@ -16,14 +16,13 @@ Writes $OUT/bench_latent_attention.json (and bench_latent_attention_sweep.json) 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import itertools
 import math
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import copy_bandwidth, interpret_kernels, print_table, relative_error, write_json
+from benchmarks.common import (add_sweep_arguments, copy_bandwidth, interpret_kernels, print_table, relative_error,
+                               swept_axes, swept_configs, write_json)
 from benchmarks.device_trace import busy_ns, traced_kernels
 from specjax.kernels.attention_reference import attention_reference
 from specjax.kernels.attention_triton import KernelConfig, attention_triton, default_config
@@ -103,9 +102,7 @@ def sweep_rows(shapes, bandwidth: float, smoke: bool, tokens: int, axes: tuple[s
         layers = cache_layers(batch, context, smoke)
         q, cache, start = inputs(heads, batch, context, layers, tokens)
         read_gb = batch * context * WIDTH * 2 / 1e9
-        default = default_config(q.shape, cache.shape, value_dim=RANK)
-        for values in itertools.product(*(SWEEP[axis] for axis in axes)):
-            config = dataclasses.replace(default, **dict(zip(axes, values)))
+        for config in swept_configs(default_config(q.shape, cache.shape, value_dim=RANK), SWEEP, axes):
             try:
                 ms = device_ms(kernel_fn(config, interpret), q, cache, start, layers)
             except Exception as error:  # a variant needing more shared memory or registers than the SM has
@@ -121,17 +118,13 @@ def sweep_rows(shapes, bandwidth: float, smoke: bool, tokens: int, axes: tuple[s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sweep", action="store_true", help="also time the kernel's launch parameters")
-    parser.add_argument("--sweep-only", action="store_true", help="only the launch parameters")
-    parser.add_argument("--sweep-over", default=",".join(SWEEP), help="the axes swept: " + ", ".join(SWEEP))
+    add_sweep_arguments(parser, SWEEP)
     parser.add_argument("--tokens", type=int, default=1, help="query tokens per row (a verify pass: k + 1)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script")
     args = parser.parse_args()
+    axes = swept_axes(parser, args, SWEEP)
     bandwidth = copy_bandwidth(64 << 20 if args.smoke else 2 << 30)
     print(f"{jax.devices()[0].device_kind}: copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
-    axes = tuple(args.sweep_over.split(","))
-    if not set(axes) <= set(SWEEP):
-        parser.error(f"--sweep-over: {sorted(set(axes) - set(SWEEP))} not among {list(SWEEP)}")
     if not args.sweep_only:
         print("wrote", write_json("bench_latent_attention", form_rows(
             SMOKE_SHAPES if args.smoke else SHAPES, bandwidth, args.smoke, args.tokens)))

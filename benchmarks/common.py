@@ -8,7 +8,9 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+import argparse
+import itertools
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -172,6 +174,27 @@ def weight_bytes(cfg: LlamaConfig, itemsize: int = 2) -> int:
 
 def kv_bytes_per_token(cfg: LlamaConfig, dtype=jnp.bfloat16) -> int:
     return KVCache.bytes(cfg.num_layers, 1, cfg.num_kv_heads, 1, cfg.head_dim, dtype)
+
+
+def add_sweep_arguments(parser: argparse.ArgumentParser, sweep: dict[str, tuple]) -> None:
+    """--sweep, --sweep-only and --sweep-over (a comma list of `sweep`'s axes; all by default)."""
+    parser.add_argument("--sweep", action="store_true", help="also time the kernel's launch parameters")
+    parser.add_argument("--sweep-only", action="store_true", help="only the launch parameters")
+    parser.add_argument("--sweep-over", default=",".join(sweep), help="the axes swept: " + ", ".join(sweep))
+
+
+def swept_axes(parser: argparse.ArgumentParser, args: argparse.Namespace, sweep: dict[str, tuple]) -> tuple[str, ...]:
+    """--sweep-over's axes, each one of `sweep`'s (a parser error naming the others)."""
+    axes = tuple(args.sweep_over.split(","))
+    if not set(axes) <= set(sweep):
+        parser.error(f"--sweep-over: {sorted(set(axes) - set(sweep))} not among {list(sweep)}")
+    return axes
+
+
+def swept_configs(default: Any, sweep: dict[str, tuple], axes: tuple[str, ...]) -> Iterator[Any]:
+    """The default config (a dataclass) with every combination of `sweep`'s values on `axes`."""
+    for values in itertools.product(*(sweep[axis] for axis in axes)):
+        yield dataclasses.replace(default, **dict(zip(axes, values)))
 
 
 def device_name() -> str:
