@@ -200,12 +200,12 @@ def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
     policy = spec.policy
     if policy is None:
         if proposer.tree is not None:
-            return _tree_step(target, proposer, draft_state, rows, spec)
+            return _tree_step(target, proposer, draft_state, rows, spec, adaptive=False)
         return _tier_step(target, proposer, draft_state, rows, spec, synthetic_rates, spec.k, adaptive=False)
 
     def segment(k: int):
         if proposer.tree is not None and k > 0:
-            step = _tree_step(target, proposer, draft_state, rows, spec)
+            step = _tree_step(target, proposer, draft_state, rows, spec, adaptive=True)
         else:
             step = _tier_step(target, proposer, draft_state, rows, spec, synthetic_rates, k, adaptive=True)
 
@@ -223,8 +223,6 @@ def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
 
         def run(state: LoopState, chosen: jax.Array, steps: jax.Array) -> LoopState:
             end = state.steps + steps
-            if k > 0:
-                state = _caught_up(proposer, draft_state, state, rows, chosen)
             return jax.lax.while_loop(lambda s: chosen & running(s) & (s.steps < end),
                                       lambda s: recorded_step(s, steps), state)
 
@@ -242,17 +240,6 @@ def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
     return body
 
 
-def _caught_up(proposer: Proposer, draft_state, state: LoopState, rows: RowParams, when: jax.Array) -> LoopState:
-    """The proposer brought up to the committed tokens after plain steps, where `when` holds: once at the start of
-    a speculative segment, since each step of k > 0 leaves it caught up (a catch-up inside the step cost a
-    predicate and a conditional graph node every step). A while loop of at most one trip, as the segments."""
-    def catch_up(carry):
-        return jnp.zeros((), bool), proposer.catch_up(draft_state, carry[1], state.tokens, state.lengths, rows)
-
-    _, carry = jax.lax.while_loop(lambda c: c[0], catch_up, (when, state.proposer))
-    return dataclasses.replace(state, proposer=carry)
-
-
 def _tier_step(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, synthetic_rates, k: int,
                adaptive: bool):
     """One iteration drafting k tokens per row. An adaptive loop's k = 0 tier is a plain decode step: no
@@ -268,8 +255,11 @@ def _tier_step(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, s
         if plain_tier:
             drafts, draft_probs, proposer_state = jnp.zeros((B, 0), jnp.int32), None, state.proposer
         else:
-            drafts, draft_probs, proposer_state = drafter.propose(draft_state, state.proposer, state.tokens,
-                                                                  state.lengths, rows)
+            carry = state.proposer
+            if adaptive:
+                carry = drafter.catch_up(draft_state, carry, state.tokens, state.lengths, rows)
+            drafts, draft_probs, proposer_state = drafter.propose(draft_state, carry, state.tokens, state.lengths,
+                                                                  rows)
         drafts = _clamp_drafts(drafts, budget, k)
         last = state.tokens[jnp.arange(B), state.lengths - 1]
         verify_tokens = jnp.concatenate([last[:, None], jnp.maximum(drafts, 0)], axis=1)
@@ -293,16 +283,20 @@ def _tier_step(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, s
     return step
 
 
-def _tree_step(target, proposer: Proposer, draft_state, rows: RowParams, spec: LoopSpec):
+def _tree_step(target, proposer: Proposer, draft_state, rows: RowParams, spec: LoopSpec, adaptive: bool):
     """One iteration drafting a tree per row: one target pass over the root (the last committed token) and the
-    tree's nodes, the accepted path's KV and hidden states moved to follow the root, the path committed."""
+    tree's nodes, the accepted path's KV and hidden states moved to follow the root, the path committed. An
+    adaptive loop's proposer first catches up on its tier of plain steps."""
     depth = proposer.k
 
     def step(state: LoopState) -> LoopState:
         B = state.lengths.shape[0]
         budget = _budget(state, rows, spec)
-        tree, draft_probs, proposer_state = proposer.propose_tree(draft_state, state.proposer, state.tokens,
-                                                                  state.lengths, rows)
+        carry = state.proposer
+        if adaptive:
+            carry = proposer.catch_up(draft_state, carry, state.tokens, state.lengths, rows)
+        tree, draft_probs, proposer_state = proposer.propose_tree(draft_state, carry, state.tokens, state.lengths,
+                                                                  rows)
         tree = tree.within(budget - 1)
         last = state.tokens[jnp.arange(B), state.lengths - 1]
         verify_tokens = jnp.concatenate([last[:, None], jnp.maximum(tree.tokens, 0)], axis=1)
