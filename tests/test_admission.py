@@ -15,6 +15,7 @@ from eagle_heads import write_head
 
 from specjax import LLM, SamplingParams, make_generate_fn
 from specjax.engine import runner
+from specjax.kernels.policy import has_kernels
 
 K = 3
 MAX_LEN = 64
@@ -234,3 +235,36 @@ def test_the_largest_budgets_are_admitted_first_so_the_call_ends_with_its_longes
     assert tokens == _tokens(waves.generate(prompts, params, use_tqdm=False))
     assert [len(t) for t in tokens] == [4] * 16 + [40]
     assert llm.admission_trace()[-1].steps <= 40
+
+
+@pytest.mark.skipif(not has_kernels(jax.devices()[0]), reason="the GPU's program at the default model's shape")
+def test_auto_admission_at_128_slots_runs_on_the_gpu_and_equals_plain_decoding():
+    """An adaptive admission loop at 128 slots, the default model's shape with an EAGLE-3-shaped head (random
+    weights, the engine's kernels), runs on the GPU and gives plain decoding's greedy tokens. With 1ba82a5's
+    catch-up (a one-trip loop around the head's own) every such run hit an illegal address on an H100 while the
+    CPU ran it clean (benchmarks/RESULTS.md, "V3's step after the launch cuts, on an H100")."""
+    from flax import nnx
+
+    from benchmarks import bench_sweep
+    from benchmarks.common import SMOLLM2_135M, random_model
+    from specjax.config import EngineConfig
+    from specjax.engine.proposers.base import NoProposer
+
+    cfg = SMOLLM2_135M
+    graph, state = nnx.split(random_model(cfg))
+    head = bench_sweep.drafter("eagle3", cfg, state, None, smoke=False)
+    requests = bench_sweep.requests(256, (64, 256), (32, 160), cfg.vocab_size)
+
+    def tokens(spec: dict | None) -> list[list[int]]:
+        proposer, draft_state = (NoProposer(), None) if spec is None else head.make(3, True)
+        config = EngineConfig(model="random", tokenizer="random", max_num_seqs=128, max_model_len=1024,
+                              speculative_config=spec).resolve(cfg)
+        run = runner.WaveRunner(graph, state, proposer, draft_state, config, eos_token_ids=(),
+                                vocab_size=cfg.vocab_size, cost_key="test+eagle3-head")
+        out = {}
+        for indices in run.queues(requests):
+            out.update(zip(indices, run.run_queue([requests[i] for i in indices])))
+        return [out[i].token_ids for i in range(len(requests))]
+
+    auto = tokens({"method": "eagle3", "model": "random", "num_speculative_tokens": 3, "speculation_policy": "auto"})
+    assert auto == tokens(None)
