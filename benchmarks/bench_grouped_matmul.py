@@ -96,13 +96,15 @@ def form_rows(shapes: dict, tokens_list, bandwidth: float) -> list[dict]:
 
 def sweep_cases(shape: dict) -> list[dict]:
     """The kernel's calls in a V3 step: the routed gate ([7168, 2048]) and down ([2048, 7168]) matmuls at one
-    token's 8 slots (its rows in slot order, as a batch-1 step runs them) and at 8 tokens' 64 (sorted), and the FP8
+    token's 8 slots (in slot order, as a batch-1 step runs them: the gate from the token's one row, the down
+    projection from its 8 hidden rows) and at 8 tokens' 64 (sorted), and the FP8
     projections as one group at one row: q_a and kv_a side by side (wqkv_a), q_b, o_proj, the dense layer's gate,
     the shared expert's gate."""
     experts = experts_of(shape)
     ids, _ = routing_of(shape, 1, 8)
-    cases = [dict(matrix=name, rows=ids.size, w=experts[name], scale=experts[name + "_scale"], row_groups=ids[0])
-             for name in ("we_gate", "we_down")]
+    cases = [dict(matrix="we_gate", rows=1, w=experts["we_gate"], scale=experts["we_gate_scale"], row_groups=ids),
+             dict(matrix="we_down", rows=ids.size, w=experts["we_down"], scale=experts["we_down_scale"],
+                  row_groups=ids[0])]
     ids, _ = routing_of(shape, 8, 64)
     sizes = jnp.bincount(ids.reshape(-1), length=shape["experts"]).astype(jnp.int32)
     cases += [dict(matrix=name, rows=ids.size, w=experts[name], scale=experts[name + "_scale"], group_sizes=sizes)

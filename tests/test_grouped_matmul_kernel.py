@@ -168,6 +168,23 @@ def test_rows_in_any_order_with_their_groups_equal_the_sorted_rows(block):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32)[order])
 
 
+@pytest.mark.parametrize("block", [(32, 16), None])
+def test_a_row_with_several_groups_equals_its_copies_one_group_each(block):
+    """row_groups [M, R] (one token's experts) gives output row m * R + r the bits of row m copied R times with
+    row_groups [M * R], in the kernel (each tile reading the shared row, its float16 scaling included) and in the
+    reference."""
+    k, n, groups = 96, 64, [[3, 0, 2], [1, 3, 3]]
+    w, scale = make_stack(5, 4, k, n, jnp.bfloat16, block)
+    x = make_rows(7, len(groups), k, jnp.bfloat16)
+    ids = jnp.asarray(groups, jnp.int32)
+    for kernels in (INTERPRET, KernelPolicy(impl="reference")):
+        want = grouped_matmul(jnp.repeat(x, 3, axis=0), w, row_groups=ids.reshape(-1), scale=scale, block=block,
+                              kernels=kernels)
+        got = grouped_matmul(x, w, row_groups=ids, scale=scale, block=block, kernels=kernels)
+        assert got.shape == (6, n)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 @pytest.mark.parametrize("pairs", [True, False])
 def test_an_fp8_stack_reads_back_column_by_column(pairs):
     """Read as uint16 pairs or as it is, a 1-byte stack keeps every column in place: a single-expert, single-block
@@ -314,6 +331,7 @@ def test_the_kernel_runs_where_triton_converts_the_stacks_dtype(device, plain, f
     (dict(group_sizes=None), "pass exactly one of group_sizes .* and row_groups"),
     (dict(row_groups=jnp.zeros((4,), jnp.int32)), "pass exactly one of group_sizes .* and row_groups"),
     (dict(group_sizes=None, row_groups=jnp.zeros((3,), jnp.int32)), r"row_groups must be integers \[M=4\]"),
+    (dict(group_sizes=None, row_groups=jnp.zeros((4, 2, 1), jnp.int32)), r"or \[M=4, R\], got int32\[4, 2, 1\]"),
     (dict(scale=None, block=None), "a 1-byte \\(FP8\\) stack needs its block scales"),
     (dict(block=None), "pass scale= and block= together"),
     (dict(scale=jnp.ones((2, 1, 1), jnp.float32)), r"scale must be \[2, 1, 2\] for w \[2, 16, 32\]"),

@@ -18,8 +18,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = N
                    norm: tuple[jax.Array, float] | None = None) -> jax.Array:
     """x [M, K] @ w[g] row by row for w [G, K, N]: the rows sorted by group with group_sizes [G] rows in each
     (rows past sum(group_sizes) are zero), or in any order with row_groups [M] naming each row's group (one
-    kernel tile per row: for rows of distinct groups); with `scale` [G, ceil(K/b0), ceil(N/b1)] (block b =
-    `block`) w holds FP8 codes and each block's partial product is scaled. norm (weight [K], eps):
+    kernel tile per row: for rows of distinct groups), or row_groups [M, R] naming R groups for each row (out
+    [M * R, N], its row m * R + r x[m] @ w[row_groups[m, r]]: one token's experts from its one row); with `scale`
+    [G, ceil(K/b0), ceil(N/b1)] (block b = `block`) w holds FP8 codes and each block's partial product is scaled. norm (weight [K], eps):
     rms_norm(x, weight, eps) multiplied instead (inside the kernel's row scaling where it runs). Output in the
     (normalised) rows' dtype."""
     _check_inputs(x, w, group_sizes, row_groups, scale, block, norm)
@@ -45,9 +46,10 @@ def _check_inputs(x, w, group_sizes, row_groups, scale, block, norm) -> None:
                          "(each row's group)")
     groups, name, (axis, length) = ((group_sizes, "group_sizes", ("G", w.shape[0])) if row_groups is None
                                     else (row_groups, "row_groups", ("M", x.shape[0])))
-    if groups.shape != (length,) or not jnp.issubdtype(groups.dtype, jnp.integer):
-        raise ValueError(f"grouped_matmul: {name} must be integers [{axis}={length}], got "
-                         f"{groups.dtype}{list(groups.shape)}")
+    ranks = (1,) if row_groups is None else (1, 2)
+    if groups.shape[:1] != (length,) or groups.ndim not in ranks or not jnp.issubdtype(groups.dtype, jnp.integer):
+        shapes = f"[{axis}={length}]" + ("" if row_groups is None else f" or [{axis}={length}, R]")
+        raise ValueError(f"grouped_matmul: {name} must be integers {shapes}, got {groups.dtype}{list(groups.shape)}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"grouped_matmul: x must be floating point, got {x.dtype}")
     if (scale is None) != (block is None):

@@ -149,7 +149,8 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array | N
                           interpret: bool = False) -> jax.Array:
     """specjax.kernels.grouped_matmul_reference, as one kernel (rows past sum(group_sizes) are left unwritten;
     the dispatcher zeroes them). row_groups instead of group_sizes: one tile per row, no table to compute, each
-    row's matrix read once per row (for rows of distinct groups, such as one token's experts, the same bytes).
+    row's matrix read once per row (for rows of distinct groups, such as one token's experts, the same bytes);
+    row_groups [M, R]: R output rows (tiles) per row of x, which each tile reads itself (no repeated copy of x).
     fp8_rows: a 1-byte stack multiplies rows quantized to e4m3 per K chunk.
     norm (weight [K], eps): the rows RMS-normalised first (projection_reference.rms_norm), inside f16_rows'
     launch where the rows go as float16."""
@@ -160,7 +161,8 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array | N
     as_f16 = _as_f16(out_dtype, w, config, fp8_rows)
     if norm is not None and not as_f16:   # no launch of the rows' own to normalise them in
         x, norm = rms_norm(x, *norm), None
-    rows, in_features = x.shape
+    repeat = 1 if row_groups is None or row_groups.ndim == 1 else row_groups.shape[1]
+    rows, in_features = x.shape[0] * repeat, x.shape[1]
     precision = lax.Precision.HIGHEST if out_dtype == jnp.float32 else lax.Precision.DEFAULT
     unscale = None
     if as_f16:
@@ -174,12 +176,12 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array | N
         column_blocks, k_chunks, busy_tiles(rows, groups, row_groups is not None))
     chunks_per_split = pl.cdiv(k_chunks, splits)
     splits = pl.cdiv(k_chunks, chunks_per_split)
-    tiles = tile_table(group_sizes, rows) if row_groups is None else row_tiles(row_groups)
+    tiles = tile_table(group_sizes, rows) if row_groups is None else row_tiles(row_groups.reshape(-1))
     args = [*tiles, x, stored] + [a for a in (scale, unscale) if a is not None]
     kernel = functools.partial(
         _grouped_kernel, pairs=pairs, weight_dtype=w.dtype, has_scale=scale is not None,
         has_unscale=unscale is not None, in_features=in_features, out_features=out_features, block_k=block_k,
-        block_n=block_n, chunks_per_split=chunks_per_split,
+        block_n=block_n, chunks_per_split=chunks_per_split, repeat=repeat,
         whole_tiles=in_features % block_k == 0 and stored.shape[2] % block_n == 0, fp8_rows=fp8_rows,
         scale_block_n=block[1] if scale is not None else 1, precision=precision)
     partials = pl.pallas_call(
@@ -301,13 +303,14 @@ def _as_pairs(w: jax.Array) -> jax.Array:
 
 def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, *refs, pairs: bool, weight_dtype,
                     has_scale: bool, has_unscale: bool, in_features: int, out_features: int, block_k: int,
-                    block_n: int, chunks_per_split: int, whole_tiles: bool, fp8_rows: bool, scale_block_n: int,
-                    precision: lax.Precision) -> None:
+                    block_n: int, chunks_per_split: int, repeat: int, whole_tiles: bool, fp8_rows: bool,
+                    scale_block_n: int, precision: lax.Precision) -> None:
     """One (tile, column block, K split): nothing for an empty tile; else the K loop over the split's chunks of
     dots (one per column phase: even and odd columns of a pair view), scaled per block, and one masked store per
     phase into the split's partial output (times each row's unscale where the rows came as scaled float16).
     Where the blocks tile the stack whole (`whole_tiles`, every DeepSeek shape), weight and scale loads go
-    unmasked: no per-element predicates in the loop that streams the bytes."""
+    unmasked: no per-element predicates in the loop that streams the bytes. Output row r reads x's row
+    r // repeat (row_groups [M, R]: each of x's rows serves R output rows)."""
     scale_ref = refs[0] if has_scale else None
     unscale_ref = refs[-2] if has_unscale else None
     out_ref = refs[-1]
@@ -322,11 +325,13 @@ def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, *refs, pairs: b
     def _():
         row = first + lax.broadcasted_iota(jnp.int32, (BLOCK_M,), 0)
         row_ok = row < end
+        x_row = row if repeat == 1 else lax.div(row, repeat)
 
         def accumulate(chunk, totals):
             ks = chunk * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
             k_ok = ks < in_features
-            xs = plt.load(x_ref.at[row[:, None], ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            xs = plt.load(x_ref.at[x_row[:, None], ks[None, :]], mask=row_ok[:, None] & k_ok[None, :],
+                          other=0.0)
             raw = plt.load(w_ref.at[group, ks[:, None], stored_col[None, :]],
                            **_bounds(whole_tiles, k_ok[:, None] & stored_ok[None, :], 0 if pairs else 0.0))
             tiles = _unpair(raw, weight_dtype) if pairs else (raw,)
@@ -347,7 +352,7 @@ def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, *refs, pairs: b
         last_chunk = jnp.minimum(first_chunk + chunks_per_split, pl.cdiv(in_features, block_k))
         totals = lax.fori_loop(first_chunk, last_chunk, accumulate, (zero,) * phases)
         if unscale_ref is not None:
-            row_unscale = plt.load(unscale_ref.at[row], mask=row_ok, other=0.0)[:, None]
+            row_unscale = plt.load(unscale_ref.at[x_row], mask=row_ok, other=0.0)[:, None]
             totals = tuple(total * row_unscale for total in totals)
         for total, cols in zip(totals, out_cols):
             plt.store(out_ref.at[split, row[:, None], cols[None, :]], total.astype(out_ref.dtype),

@@ -104,24 +104,23 @@ def _grouped_experts(x, ids, weights, experts, block, kernels: KernelPolicy | No
     num_tokens, k = ids.shape
     flat_ids = ids.reshape(-1)
     in_slot_order = kernels is not None and num_tokens == 1
-    if in_slot_order:
-        groups = dict(row_groups=flat_ids)
-        slots = jnp.repeat(x, k, axis=0)
+    if in_slot_order:   # each of the token's k slot tiles reads its one row (no k-fold copy of it to convert)
+        into, within, slots = dict(row_groups=ids), dict(row_groups=flat_ids), x
     else:
         order = jnp.argsort(flat_ids, stable=True)
-        groups = dict(group_sizes=jnp.bincount(flat_ids, length=experts["we_gate"].shape[0]).astype(jnp.int32))
+        into = within = dict(group_sizes=jnp.bincount(flat_ids, length=experts["we_gate"].shape[0]).astype(jnp.int32))
         slots = x[order // k]
     if kernels is None:
         stacks = dict(zip(EXPERT_LEAVES, _stacks(experts, block, x.dtype)))
 
-        def matmul(lhs, name):
+        def matmul(lhs, name, groups):
             return _ragged_dot(lhs, stacks[name], groups["group_sizes"])
     else:
-        def matmul(lhs, name):
+        def matmul(lhs, name, groups):
             return grouped_matmul(lhs, experts[name], **groups, scale=experts.get(name + "_scale"),
                                   block=block if name + "_scale" in experts else None, kernels=kernels)
-    hidden = jax.nn.silu(matmul(slots, "we_gate")) * matmul(slots, "we_up")
-    out = matmul(hidden, "we_down")
+    hidden = jax.nn.silu(matmul(slots, "we_gate", into)) * matmul(slots, "we_up", into)
+    out = matmul(hidden, "we_down", within)
     if not in_slot_order:
         out = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
     return _combine(out.reshape(num_tokens, k, -1), weights, x.dtype)
