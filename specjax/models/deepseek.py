@@ -478,10 +478,10 @@ def decoder_layer(h: jax.Array, latent: jax.Array, w: Mapping[str, jax.Array], i
                                  absorbed=kernels.mla_absorbed and not fresh, block=cfg.block, tree=tree,
                                  kernels=kernels, norm=(w["attn_norm"], cfg.rms_norm_eps))
     h = h + attn
-    x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
-    if moe_layer:
-        return h + moe(x, w, cfg.routing, kernels=kernels, block=cfg.block), latent
-    return h + swiglu_mlp(x, w, "w_", cfg.block, kernels), latent
+    norm = (w["mlp_norm"], cfg.rms_norm_eps)
+    if moe_layer:   # the router reads the normalised rows too
+        return h + moe(rms_norm(h, *norm), w, cfg.routing, kernels=kernels, block=cfg.block), latent
+    return h + swiglu_mlp(h, w, "w_", cfg.block, kernels, norm=norm), latent
 
 
 def _arrays(weights: nnx.Dict) -> dict[str, jax.Array]:

@@ -141,10 +141,12 @@ def _combine(out: jax.Array, weights: jax.Array, dtype) -> jax.Array:
 
 
 def swiglu_mlp(x: jax.Array, weights: Mapping[str, jax.Array], prefix: str,
-               block: tuple[int, int] | None = None, kernels: KernelPolicy = KernelPolicy()) -> jax.Array:
+               block: tuple[int, int] | None = None, kernels: KernelPolicy = KernelPolicy(),
+               norm: tuple[jax.Array, float] | None = None) -> jax.Array:
     """down(silu(gate(x)) * up(x)) of the weights `{prefix}gate`, `{prefix}up`, `{prefix}down` (FP8 or not): a
-    dense layer's MLP (prefix "w_") or the shared experts ("ws_")."""
-    gate, up = (linear(x, weights, prefix + name, block, kernels) for name in ("gate", "up"))
+    dense layer's MLP (prefix "w_") or the shared experts ("ws_"). norm (weight, eps): of rms_norm(x, weight, eps)
+    instead, normalised inside the kernel's row scaling where that runs (fp8.linear)."""
+    gate, up = (linear(x, weights, prefix + name, block, kernels, norm=norm) for name in ("gate", "up"))
     return linear(jax.nn.silu(gate) * up, weights, prefix + "down", block, kernels)
 
 
