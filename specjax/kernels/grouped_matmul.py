@@ -20,9 +20,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = N
     (rows past sum(group_sizes) are zero), or in any order with row_groups [M] naming each row's group (one
     kernel tile per row: for rows of distinct groups), or row_groups [M, R] naming R groups for each row (out
     [M * R, N], its row m * R + r x[m] @ w[row_groups[m, r]]: one token's experts from its one row); with `scale`
-    [G, ceil(K/b0), ceil(N/b1)] (block b = `block`) w holds FP8 codes and each block's partial product is scaled. norm (weight [K], eps):
-    rms_norm(x, weight, eps) multiplied instead (inside the kernel's row scaling where it runs). Output in the
-    (normalised) rows' dtype."""
+    [G, ceil(K/b0), ceil(N/b1)] (block b = `block`) w holds FP8 codes and each block's partial product is scaled.
+    norm (weight [K], eps): rms_norm(x, weight, eps) multiplied instead (inside the kernel's row scaling where it
+    runs). Output in the (normalised) rows' dtype."""
     _check_inputs(x, w, group_sizes, row_groups, scale, block, norm)
     if kernels.use_grouped_matmul_kernel(fp8=w.dtype.itemsize == 1, rows=x.shape[0], groups=w.shape[0]):
         out = grouped_matmul_triton(x, w, group_sizes, row_groups=row_groups, scale=scale, block=block,
