@@ -4,12 +4,13 @@ synthetic_acceptance_length) so that the speed of each choice shows without a tr
 
     PYTHONPATH=. python benchmarks/bench_sweep.py [--shape 8b|smollm2] [--drafter draft|eagle3] [--al 1.2,2.0,3.0]
         [--num 512] [--per-slot N] [--prompt-len 64:256] [--max-tokens 32:512] [--slots 8,32,128,256] [--k 3]
-        [--modes plain,fixed,auto] [--runners admission,waves] [--profile] [--smoke]
+        [--modes plain,fixed,forced,auto] [--runners admission,waves] [--profile] [--smoke]
 
 Target: the Llama-3.1-8B shape or the default model's (SmolLM2-135M), bf16. Drafter: the Llama-3.2-1B shape
 (8b only) or an EAGLE-3-shaped head for the target (one layer, three captured layers, a 32k draft vocabulary).
-Modes: "plain", "fixed" (every k from 1 to --k), "auto" (k chosen each iteration between 0 and --k from step
-times the engine measures on its first call). Each engine runs the requests once untimed (compilation,
+Modes: "plain", "fixed" (every k from 1 to --k), "forced" (the adaptive loop held at each k from 1 to --k by a
+one-row table: its machinery's cost per step), "auto" (k chosen each iteration between 0 and --k from step times
+the engine measures on its first call). Each engine runs the requests once untimed (compilation,
 calibration), then once timed; plain decoding once per slot count, whatever the acceptance lengths. Prints a
 table (tokens/s, against plain and against the best fixed k, slot occupancy, iterations at each k) and writes
 $OUT/bench_sweep.json after each engine. Synthetic acceptance takes drafts whether or not the target agrees, so
@@ -79,12 +80,17 @@ def drafter(kind: str, target_cfg, target_state, draft_cfg, smoke: bool) -> Draf
                      catch_up_window=PROBE_EVERY if adaptive else 0), state))
 
 
-def speculative_engines(modes: list[str], k_max: int, al: float, method: str) -> list[tuple[str, dict]]:
-    """(name, speculative_config) of each speculative engine the modes ask for at acceptance length `al`."""
-    def spec(k: int, policy: str) -> dict:
+def speculative_engines(modes: list[str], k_max: int, al: float, method: str, slots: int) -> list[tuple[str, dict]]:
+    """(name, speculative_config) of each speculative engine the modes ask for at acceptance length `al`.
+    "forced": the adaptive loop held at each k by a one-row table, so that its machinery's cost shows apart
+    from the policy's choices."""
+    def spec(k: int, policy: str, **extra) -> dict:
         return {"method": method, "model": "random", "num_speculative_tokens": k, "speculation_policy": policy,
-                "rejection_sample_method": "synthetic", "synthetic_acceptance_length": min(al, k + 1)}
+                "rejection_sample_method": "synthetic", "synthetic_acceptance_length": min(al, k + 1), **extra}
     out = [(f"k={k}", spec(k, "fixed")) for k in range(1, k_max + 1)] if "fixed" in modes else []
+    if "forced" in modes:
+        out += [(f"k={k} forced", spec(k_max, "table", num_speculative_tokens_per_batch_size=[[1, slots, k]]))
+                for k in range(1, k_max + 1)]
     if "auto" in modes:
         out.append((f"auto k<={k_max}", spec(k_max, "auto")))
     return out
@@ -128,7 +134,7 @@ class Sweep:
     best_fixed: dict = dataclasses.field(default_factory=dict)   # (al, slots, runner) -> tokens/s
 
     def measure(self, name: str, spec: dict | None, slots: int, al: float | None) -> None:
-        adaptive = spec is not None and spec["speculation_policy"] == "auto"
+        adaptive = spec is not None and spec["speculation_policy"] != "fixed"
         proposer, draft_state = (NoProposer(), None) if spec is None else self.draft.make(
             spec["num_speculative_tokens"], adaptive)
         config = EngineConfig(model="random", tokenizer="random", max_num_seqs=slots, max_model_len=MAX_MODEL_LEN,
@@ -187,7 +193,7 @@ def main(argv=None) -> None:
     reuse_compilations()
     if args.smoke:
         args.shape, args.al, args.num, args.prompt_len, args.max_tokens = "smoke", "2.0", 6, "4:8", "2:6"
-        args.slots, args.k, args.modes, args.runners = "2", 2, "plain,auto", "admission"
+        args.slots, args.k, args.modes, args.runners = "2", 2, "plain,forced,auto", "admission"
     target_cfg, draft_cfg = SHAPES[args.shape]
     target = random_model(target_cfg)
     graph, state = nnx.split(target)
@@ -202,7 +208,7 @@ def main(argv=None) -> None:
         if "plain" in modes:   # no drafts, so one run serves every acceptance length
             sweep.measure("plain", None, slots, al=None)
         for al in (float(a) for a in args.al.split(",")):
-            for name, spec in speculative_engines(modes, args.k, al, draft.method):
+            for name, spec in speculative_engines(modes, args.k, al, draft.method, slots):
                 sweep.measure(name, spec, slots, al)
     rows = sweep.rows
     _add_over_plain(rows)

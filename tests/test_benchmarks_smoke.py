@@ -60,7 +60,7 @@ EXPECTED_ROWS = {
                        "bench_deepseek_mtp": ("al", [1.5]),
                        "bench_deepseek_v2_transformers": ("engine", ["transformers generate"])},
     "bench_stream": {"bench_stream": ("mode", ["generate", "generate_stream"])},
-    "bench_sweep": {"bench_sweep": ("engine", ["plain", "auto k<=2"])},
+    "bench_sweep": {"bench_sweep": ("engine", ["plain", "k=1 forced", "k=2 forced", "auto k<=2"])},
     "bench_grouped_matmul": {"bench_grouped_matmul": ("form", ["kernel", "xla gathered", "xla ragged_dot"] * 2),
                              "bench_grouped_matmul_sweep": ("f16_rows", [False, True] * 9)},
     "bench_latent_attention": {"bench_latent_attention": ("form", ["kernel", "xla"])},
