@@ -50,9 +50,10 @@ SMOKE_TARGET = dataclasses.replace(LLAMA31_8B, **_SMOKE_SIZES)
 SMOKE_DRAFT = dataclasses.replace(LLAMA32_1B, **{**_SMOKE_SIZES, "num_layers": 1})
 
 
-def random_model(cfg: LlamaConfig, kernels: KernelPolicy = KernelPolicy(), seed: int = 0) -> LlamaForCausalLM:
-    """A model of cfg with random bf16 weights (speed does not depend on their values)."""
-    return FAMILY.random(cfg, dtype=jnp.bfloat16, seed=seed, kernels=kernels)
+def random_model(cfg: LlamaConfig, kernels: KernelPolicy = KernelPolicy(), seed: int = 0,
+                 dtype=jnp.bfloat16) -> LlamaForCausalLM:
+    """A model of cfg with random weights, bf16 unless said (speed does not depend on their values)."""
+    return FAMILY.random(cfg, dtype=dtype, seed=seed, kernels=kernels)
 
 
 def graph_with(cfg: LlamaConfig, kernels: KernelPolicy) -> nnx.GraphDef:

@@ -248,13 +248,12 @@ def test_auto_admission_at_128_slots_runs_on_the_gpu_and_equals_plain_decoding()
     from flax import nnx
 
     from benchmarks import bench_sweep
-    from benchmarks.common import SMOLLM2_135M
+    from benchmarks.common import SMOLLM2_135M, random_model
     from specjax.config import EngineConfig
     from specjax.engine.proposers.base import NoProposer
-    from specjax.models.llama import FAMILY
 
     cfg = SMOLLM2_135M
-    graph, state = nnx.split(FAMILY.random(cfg, dtype=jnp.float32))
+    graph, state = nnx.split(random_model(cfg, dtype=jnp.float32))
     head = bench_sweep.drafter("eagle3", cfg, state, None, smoke=False)
     requests = bench_sweep.requests(256, (64, 256), (32, 160), cfg.vocab_size)
 
