@@ -9,7 +9,7 @@ synthetic_acceptance_length) so that the speed of each choice shows without a tr
 Target: the Llama-3.1-8B shape or the default model's (SmolLM2-135M), bf16. Drafter: the Llama-3.2-1B shape
 (8b only) or an EAGLE-3-shaped head for the target (one layer, three captured layers, a 32k draft vocabulary).
 Modes: "plain", "fixed" (every k from 1 to --k), "forced" (the adaptive loop held at each k from 1 to --k by a
-one-row table: its machinery's cost per step), "auto" (k chosen each iteration between 0 and --k from step times
+table, with auto's tiers: its machinery's cost per step), "auto" (k chosen each iteration between 0 and --k from step times
 the engine measures on its first call). Each engine runs the requests once untimed (compilation,
 calibration), then once timed; plain decoding once per slot count, whatever the acceptance lengths. Prints a
 table (tokens/s, against plain and against the best fixed k, slot occupancy, iterations at each k) and writes
@@ -38,7 +38,7 @@ from benchmarks.common import (LLAMA31_8B, LLAMA32_1B, SMOKE_DRAFT, SMOKE_TARGET
                                random_model, reuse_compilations, write_json)
 from benchmarks.device_trace import busy_ns, by_kernel, traced_kernels
 from specjax.config import EngineConfig
-from specjax.config.speculation_policy import PROBE_EVERY
+from specjax.config.speculation_policy import PROBE_EVERY, auto_tiers
 from specjax.engine.proposers.base import NoProposer
 from specjax.engine.proposers.draft_model import DraftModelProposer
 from specjax.engine.proposers.eagle import HeadProposer
@@ -82,14 +82,16 @@ def drafter(kind: str, target_cfg, target_state, draft_cfg, smoke: bool) -> Draf
 
 def speculative_engines(modes: list[str], k_max: int, al: float, method: str, slots: int) -> list[tuple[str, dict]]:
     """(name, speculative_config) of each speculative engine the modes ask for at acceptance length `al`.
-    "forced": the adaptive loop held at each k by a one-row table, so that its machinery's cost shows apart
-    from the policy's choices."""
+    "forced": the adaptive loop held at each k by a table, so that its machinery's cost shows apart from the
+    policy's choices. Its first row covers every live count; rows beyond the slots (never matched) give it auto's
+    tiers, so that it compiles auto's very loop and differs from it only in the choice."""
     def spec(k: int, policy: str, **extra) -> dict:
         return {"method": method, "model": "random", "num_speculative_tokens": k, "speculation_policy": policy,
                 "rejection_sample_method": "synthetic", "synthetic_acceptance_length": min(al, k + 1), **extra}
     out = [(f"k={k}", spec(k, "fixed")) for k in range(1, k_max + 1)] if "fixed" in modes else []
     if "forced" in modes:
-        out += [(f"k={k} forced", spec(k_max, "table", num_speculative_tokens_per_batch_size=[[1, slots, k]]))
+        unmatched = [[slots + 1 + i, slots + 1 + i, t] for i, t in enumerate(auto_tiers(k_max)) if 0 < t < k_max]
+        out += [(f"k={k} forced", spec(k_max, "table", num_speculative_tokens_per_batch_size=[[1, slots, k]] + unmatched))
                 for k in range(1, k_max + 1)]
     if "auto" in modes:
         out.append((f"auto k<={k_max}", spec(k_max, "auto")))
