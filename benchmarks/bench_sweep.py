@@ -4,17 +4,18 @@ synthetic_acceptance_length) so that the speed of each choice shows without a tr
 
     PYTHONPATH=. python benchmarks/bench_sweep.py [--shape 8b|smollm2] [--drafter draft|eagle3] [--al 1.2,2.0,3.0]
         [--num 512] [--per-slot N] [--prompt-len 64:256] [--max-tokens 32:512] [--slots 8,32,128,256] [--k 3]
-        [--modes plain,fixed,forced,auto] [--runners admission,waves] [--profile] [--smoke]
+        [--modes plain,fixed,forced,auto] [--runners admission,waves] [--repeats 3] [--profile] [--smoke]
 
 Target: the Llama-3.1-8B shape or the default model's (SmolLM2-135M), bf16. Drafter: the Llama-3.2-1B shape
 (8b only) or an EAGLE-3-shaped head for the target (one layer, three captured layers, a 32k draft vocabulary).
 Modes: "plain", "fixed" (every k from 1 to --k), "forced" (the adaptive loop held at each k from 1 to --k by a
-table, with auto's tiers: its machinery's cost per step), "auto" (k chosen each iteration between 0 and --k from step times
-the engine measures on its first call). Each engine runs the requests once untimed (compilation,
-calibration), then once timed; plain decoding once per slot count, whatever the acceptance lengths. Prints a
-table (tokens/s, against plain and against the best fixed k, slot occupancy, iterations at each k) and writes
-$OUT/bench_sweep.json after each engine. Synthetic acceptance takes drafts whether or not the target agrees, so
-the tokens are not plain decoding's: this measures speed only.
+table, with auto's tiers: its machinery's cost per step), "auto" (k chosen each iteration between 0 and --k from
+step times the engine measures on its first call). Each engine runs the requests once untimed (compilation,
+calibration); then a slot count's engines are timed in --repeats rounds, one run each per round in alternating
+order, and each row gives the median (and every run); plain decoding once per slot count, whatever the acceptance
+lengths. Prints a table (tokens/s, against plain and against the best fixed k, slot occupancy, iterations at each
+k) and writes $OUT/bench_sweep.json after each round. Synthetic acceptance takes drafts whether or not the target
+agrees, so the tokens are not plain decoding's: this measures speed only.
 `--per-slot N` runs the first min(num, N x slots) requests at each slot count, so that small slot counts take
 about as long as large ones (one slot would take 512 requests one at a time). Engines that differ only in their
 acceptance rate run the same programs: the process's compilation cache (common.reuse_compilations) loads them.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import time
 from typing import Any, Callable
 
@@ -91,7 +93,8 @@ def speculative_engines(modes: list[str], k_max: int, al: float, method: str, sl
     out = [(f"k={k}", spec(k, "fixed")) for k in range(1, k_max + 1)] if "fixed" in modes else []
     if "forced" in modes:
         unmatched = [[slots + 1 + i, slots + 1 + i, t] for i, t in enumerate(auto_tiers(k_max)) if 0 < t < k_max]
-        out += [(f"k={k} forced", spec(k_max, "table", num_speculative_tokens_per_batch_size=[[1, slots, k]] + unmatched))
+        out += [(f"k={k} forced", spec(k_max, "table",
+                                       num_speculative_tokens_per_batch_size=[[1, slots, k]] + unmatched))
                 for k in range(1, k_max + 1)]
     if "auto" in modes:
         out.append((f"auto k<={k_max}", spec(k_max, "auto")))
@@ -120,8 +123,35 @@ def run(runner: WaveRunner, reqs: list[Request], admission: bool) -> float:
 
 
 @dataclasses.dataclass
+class Engine:
+    """One engine of a slot count under one runner, compiled and run once; its timed runs so far."""
+    name: str
+    al: float | None
+    slots: int
+    mode: str                   # "admission" or "waves"
+    adaptive: bool
+    fixed: bool                 # a fixed k (what auto is held against)
+    runner: WaveRunner
+    reqs: list[Request]
+    seconds: list[float] = dataclasses.field(default_factory=list)
+    iterations_per_k: list[int] | None = None   # an adaptive engine's choices in its last timed run
+
+    def timed(self, k_max: int) -> None:
+        before = _iterations_per_k(self.runner, k_max)
+        self.seconds.append(run(self.runner, self.reqs, self.mode == "admission"))
+        if self.adaptive:
+            self.iterations_per_k = [a - b for a, b in zip(_iterations_per_k(self.runner, k_max), before)]
+
+    @property
+    def tok_s(self) -> float:
+        return sum(r.params.max_tokens for r in self.reqs) / statistics.median(self.seconds)
+
+
+@dataclasses.dataclass
 class Sweep:
-    """The sweep's fixed parts and its rows so far; measure() adds one row per runner of one engine."""
+    """The sweep's fixed parts and its rows so far. A slot count's engines are each compiled and run once
+    (prepare), then timed in rounds, every engine once per round, in alternating order (time_rounds): runs of
+    one engine drift by a few percent within a process, as much as the 3% the goals turn on."""
     target_cfg: Any
     graph: Any
     state: Any
@@ -133,9 +163,9 @@ class Sweep:
     runners: list[str]
     profile: bool = False
     rows: list[dict] = dataclasses.field(default_factory=list)
-    best_fixed: dict = dataclasses.field(default_factory=dict)   # (al, slots, runner) -> tokens/s
 
-    def measure(self, name: str, spec: dict | None, slots: int, al: float | None) -> None:
+    def prepare(self, name: str, spec: dict | None, slots: int, al: float | None) -> list[Engine]:
+        """The engine under each runner, compiled and run once (auto measures its step times then)."""
         adaptive = spec is not None and spec["speculation_policy"] != "fixed"
         proposer, draft_state = (NoProposer(), None) if spec is None else self.draft.make(
             spec["num_speculative_tokens"], adaptive)
@@ -144,26 +174,38 @@ class Sweep:
         runner = WaveRunner(self.graph, self.state, proposer, draft_state, config, eos_token_ids=(),
                             vocab_size=self.target_cfg.vocab_size, cost_key=f"{self.shape}+{self.draft.name}")
         reqs = self.reqs if self.per_slot is None else self.reqs[:self.per_slot * slots]
+        engines = []
         for mode in self.runners:
-            run(runner, reqs, mode == "admission")   # compiles; auto measures its step times
-            iterations_before = _iterations_per_k(runner, self.k_max)
-            seconds = run(runner, reqs, mode == "admission")
-            tok_s = sum(r.params.max_tokens for r in reqs) / seconds
-            best = self.best_fixed.get((al, slots, mode))
-            if spec is not None and not adaptive:
-                self.best_fixed[al, slots, mode] = max(best or 0.0, tok_s)
-            occupancy = runner.queue_traces[-1].occupancy if mode == "admission" else None
-            self.rows.append(dict(
-                shape=self.shape, drafter=self.draft.name, al=al, slots=slots, requests=len(reqs), engine=name,
-                runner=mode, tok_s=round(tok_s, 1), seconds=round(seconds, 3),
-                over_best_fixed=round(tok_s / best, 3) if adaptive and best else None,
-                occupancy=occupancy and round(sum(occupancy) / slots, 3),
-                iterations_per_k=adaptive and [a - b for a, b in zip(_iterations_per_k(runner, self.k_max),
-                                                                       iterations_before)] or None))
-            if self.profile and mode == "admission":
-                self.rows[-1].update(self._profiled(runner, reqs, f"{slots}_{al}_{name}"))
-            print(self.rows[-1], flush=True)
+            start = time.perf_counter()
+            run(runner, reqs, mode == "admission")
+            print(f"{slots} slots, AL {al}, {name}, {mode}: compiled and run once in "
+                  f"{time.perf_counter() - start:.1f} s", flush=True)
+            engines.append(Engine(name, al, slots, mode, adaptive, spec is not None and not adaptive, runner, reqs))
+        return engines
+
+    def time_rounds(self, engines: list[Engine], repeats: int) -> None:
+        """`repeats` rounds of one timed run per engine, the rows rewritten after each round; then (profile) each
+        admission run traced."""
+        done = list(self.rows)
+        for round_ in range(repeats):
+            for engine in engines if round_ % 2 == 0 else engines[::-1]:
+                engine.timed(self.k_max)
+            self.rows = done + [self._row(e, engines) for e in engines]
             write_json("bench_sweep", self.rows)
+        for engine, row in zip(engines, self.rows[len(done):]):
+            if self.profile and engine.mode == "admission":
+                row.update(self._profiled(engine.runner, engine.reqs, f"{engine.slots}_{engine.al}_{engine.name}"))
+            print(row, flush=True)
+        write_json("bench_sweep", self.rows)
+
+    def _row(self, e: Engine, engines: list[Engine]) -> dict:
+        best = max((o.tok_s for o in engines if o.fixed and o.al == e.al and o.mode == e.mode), default=None)
+        occupancy = e.runner.queue_traces[-1].occupancy if e.mode == "admission" else None
+        return dict(shape=self.shape, drafter=self.draft.name, al=e.al, slots=e.slots, requests=len(e.reqs),
+                    engine=e.name, runner=e.mode, tok_s=round(e.tok_s, 1),
+                    runs=[round(sum(r.params.max_tokens for r in e.reqs) / s, 1) for s in e.seconds],
+                    over_best_fixed=round(e.tok_s / best, 3) if e.adaptive and best else None,
+                    occupancy=occupancy and round(sum(occupancy) / e.slots, 3), iterations_per_k=e.iterations_per_k)
 
     def _profiled(self, runner: WaveRunner, reqs: list[Request], label: str) -> dict:
         """The admission run again under the profiler: busy time and kernels per loop iteration (NaN off GPUs),
@@ -189,13 +231,14 @@ def main(argv=None) -> None:
     parser.add_argument("--k", type=int, default=3, help="the largest k (fixed runs each k from 1)")
     parser.add_argument("--modes", default="plain,fixed,auto")
     parser.add_argument("--runners", default="admission,waves")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds over a slot count's engines")
     parser.add_argument("--profile", action="store_true", help="eager engines, their admission runs traced")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 6 requests, 2 slots, a few tokens")
     args = parser.parse_args(argv)
     reuse_compilations()
     if args.smoke:
         args.shape, args.al, args.num, args.prompt_len, args.max_tokens = "smoke", "2.0", 6, "4:8", "2:6"
-        args.slots, args.k, args.modes, args.runners = "2", 2, "plain,forced,auto", "admission"
+        args.slots, args.k, args.modes, args.runners, args.repeats = "2", 2, "plain,forced,auto", "admission", 2
     target_cfg, draft_cfg = SHAPES[args.shape]
     target = random_model(target_cfg)
     graph, state = nnx.split(target)
@@ -207,11 +250,11 @@ def main(argv=None) -> None:
     modes, runners = args.modes.split(","), args.runners.split(",")
     sweep = Sweep(target_cfg, graph, state, draft, reqs, args.per_slot, args.shape, args.k, runners, args.profile)
     for slots in (int(s) for s in args.slots.split(",")):
-        if "plain" in modes:   # no drafts, so one run serves every acceptance length
-            sweep.measure("plain", None, slots, al=None)
+        engines = sweep.prepare("plain", None, slots, al=None) if "plain" in modes else []   # every AL alike
         for al in (float(a) for a in args.al.split(",")):
             for name, spec in speculative_engines(modes, args.k, al, draft.method, slots):
-                sweep.measure(name, spec, slots, al)
+                engines += sweep.prepare(name, spec, slots, al)
+        sweep.time_rounds(engines, args.repeats)
     rows = sweep.rows
     _add_over_plain(rows)
     print_table(rows)
