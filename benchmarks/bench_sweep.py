@@ -4,7 +4,8 @@ synthetic_acceptance_length) so that the speed of each choice shows without a tr
 
     PYTHONPATH=. python benchmarks/bench_sweep.py [--shape 8b|smollm2] [--drafter draft|eagle3] [--al 1.2,2.0,3.0]
         [--num 512] [--per-slot N] [--prompt-len 64:256] [--max-tokens 32:512] [--slots 8,32,128,256] [--k 3]
-        [--modes plain,fixed,forced,auto] [--runners admission,waves] [--repeats 3] [--profile] [--smoke]
+        [--modes plain,fixed,forced,auto] [--runners admission,waves] [--repeats 3] [--deadline S]
+        [--profile] [--smoke]
 
 Target: the Llama-3.1-8B shape or the default model's (SmolLM2-135M), bf16. Drafter: the Llama-3.2-1B shape
 (8b only) or an EAGLE-3-shaped head for the target (one layer, three captured layers, a 32k draft vocabulary).
@@ -22,6 +23,8 @@ acceptance rate run the same programs: the process's compilation cache (common.r
 `--profile`: every engine compiled without CUDA graphs (enforce_eager, so the profiler sees each kernel) and its
 timed admission run traced: device busy time and kernels per loop iteration in the row, the costliest kernel kinds
 in $OUT/bench_sweep_profile_<slots>_<al>_<engine>.json (eager tokens/s: compare engines with each other).
+`--deadline S`: engines are prepared in order (plain, then each acceptance length's) only while the rest of the
+run should still end S seconds after the start (a device call's limit); the rest are skipped, and said so.
 `--smoke`: tiny shapes, 6 requests, 2 slots, a few tokens (checks the script).
 """
 from __future__ import annotations
@@ -53,6 +56,8 @@ from specjax.training.trainer import new_head
 SHAPES = {"8b": (LLAMA31_8B, LLAMA32_1B), "smollm2": (SMOLLM2_135M, None), "smoke": (SMOKE_TARGET, SMOKE_DRAFT)}
 DRAFT_VOCAB = 32000
 MAX_MODEL_LEN = 1024
+# Seconds --deadline keeps for the timed rounds of the engines already prepared.
+ROUNDS_RESERVE = 60
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +167,17 @@ class Sweep:
     k_max: int
     runners: list[str]
     profile: bool = False
+    deadline: float | None = None   # seconds after `began` by which every timed round should be done
     rows: list[dict] = dataclasses.field(default_factory=list)
+    began: float = dataclasses.field(default_factory=time.perf_counter)
+    longest_prepare: float = 0.0
+
+    def room_for_another(self) -> bool:
+        """Whether one more engine can be prepared (half again the longest preparation so far) and every
+        prepared one still timed (ROUNDS_RESERVE) before the deadline."""
+        if self.deadline is None:
+            return True
+        return time.perf_counter() - self.began + 1.5 * self.longest_prepare + ROUNDS_RESERVE < self.deadline
 
     def prepare(self, name: str, spec: dict | None, slots: int, al: float | None) -> list[Engine]:
         """The engine under each runner, compiled and run once (auto measures its step times then)."""
@@ -178,6 +193,7 @@ class Sweep:
         for mode in self.runners:
             start = time.perf_counter()
             run(runner, reqs, mode == "admission")
+            self.longest_prepare = max(self.longest_prepare, time.perf_counter() - start)
             print(f"{slots} slots, AL {al}, {name}, {mode}: compiled and run once in "
                   f"{time.perf_counter() - start:.1f} s", flush=True)
             engines.append(Engine(name, al, slots, mode, adaptive, spec is not None and not adaptive, runner, reqs))
@@ -232,6 +248,8 @@ def main(argv=None) -> None:
     parser.add_argument("--modes", default="plain,fixed,auto")
     parser.add_argument("--runners", default="admission,waves")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds over a slot count's engines")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds: prepare no more engines once the rest might not be timed by then")
     parser.add_argument("--profile", action="store_true", help="eager engines, their admission runs traced")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 6 requests, 2 slots, a few tokens")
     args = parser.parse_args(argv)
@@ -248,12 +266,18 @@ def main(argv=None) -> None:
     print(f"{jax.devices()[0].device_kind}: {args.shape} + {draft.name}, {len(reqs)} requests, "
           f"{sum(r.params.max_tokens for r in reqs)} tokens", flush=True)
     modes, runners = args.modes.split(","), args.runners.split(",")
-    sweep = Sweep(target_cfg, graph, state, draft, reqs, args.per_slot, args.shape, args.k, runners, args.profile)
+    sweep = Sweep(target_cfg, graph, state, draft, reqs, args.per_slot, args.shape, args.k, runners, args.profile,
+                  args.deadline)
     for slots in (int(s) for s in args.slots.split(",")):
-        engines = sweep.prepare("plain", None, slots, al=None) if "plain" in modes else []   # every AL alike
+        engines = []
+        planned = [("plain", None, None)] if "plain" in modes else []   # no drafts: one run for every AL
         for al in (float(a) for a in args.al.split(",")):
-            for name, spec in speculative_engines(modes, args.k, al, draft.method, slots):
+            planned += [(name, spec, al) for name, spec in speculative_engines(modes, args.k, al, draft.method, slots)]
+        for name, spec, al in planned:
+            if sweep.room_for_another():
                 engines += sweep.prepare(name, spec, slots, al)
+            else:
+                print(f"{slots} slots, AL {al}, {name}: skipped (--deadline)", flush=True)
         sweep.time_rounds(engines, args.repeats)
     rows = sweep.rows
     _add_over_plain(rows)
