@@ -11,12 +11,12 @@ Target: the Llama-3.1-8B shape or the default model's (SmolLM2-135M), bf16. Draf
 (8b only) or an EAGLE-3-shaped head for the target (one layer, three captured layers, a 32k draft vocabulary).
 Modes: "plain", "fixed" (every k from 1 to --k), "forced" (the adaptive loop held at each k from 1 to --k by a
 table, with auto's tiers: its machinery's cost per step), "auto" (k chosen each iteration between 0 and --k from
-step times the engine measures on its first call). Each engine runs the requests once untimed (compilation,
-calibration); then a slot count's engines are timed in --repeats rounds, one run each per round in alternating
-order, and each row gives the median (and every run); plain decoding once per slot count, whatever the acceptance
-lengths. Prints a table (tokens/s, against plain and against the best fixed k, slot occupancy, iterations at each
-k) and writes $OUT/bench_sweep.json after each round. Synthetic acceptance takes drafts whether or not the target
-agrees, so the tokens are not plain decoding's: this measures speed only.
+step times the engine measures on its first call). Each engine runs the requests untimed until its CUDA graph is
+recorded (compilation, calibration); then a slot count's engines are timed in --repeats rounds, one run each per
+round in alternating order, and each row gives the median (and every run); plain decoding once per slot count,
+whatever the acceptance lengths. Prints a table (tokens/s, against plain and against the best fixed k, slot
+occupancy, iterations at each k) and writes $OUT/bench_sweep.json after each round. Synthetic acceptance takes
+drafts whether or not the target agrees, so the tokens are not plain decoding's: this measures speed only.
 `--per-slot N` runs the first min(num, N x slots) requests at each slot count, so that small slot counts take
 about as long as large ones (one slot would take 512 requests one at a time). Engines that differ only in their
 acceptance rate run the same programs: the process's compilation cache (common.reuse_compilations) loads them.
@@ -129,7 +129,7 @@ def run(runner: WaveRunner, reqs: list[Request], admission: bool) -> float:
 
 @dataclasses.dataclass
 class Engine:
-    """One engine of a slot count under one runner, compiled and run once; its timed runs so far."""
+    """One engine of a slot count under one runner, compiled and warm; its timed runs so far."""
     name: str
     al: float | None
     slots: int
@@ -180,7 +180,8 @@ class Sweep:
         return time.perf_counter() - self.began + 1.5 * self.longest_prepare + ROUNDS_RESERVE < self.deadline
 
     def prepare(self, name: str, spec: dict | None, slots: int, al: float | None) -> list[Engine]:
-        """The engine under each runner, compiled and run once (auto measures its step times then)."""
+        """The engine under each runner, compiled and run until its CUDA graph exists (auto measures its step times
+        then)."""
         adaptive = spec is not None and spec["speculation_policy"] != "fixed"
         proposer, draft_state = (NoProposer(), None) if spec is None else self.draft.make(
             spec["num_speculative_tokens"], adaptive)
@@ -192,9 +193,13 @@ class Sweep:
         engines = []
         for mode in self.runners:
             start = time.perf_counter()
-            run(runner, reqs, mode == "admission")
+            # XLA records a loop's CUDA graph over its first executions (at 128 slots fixed k=2's first timed run,
+            # its second execution, was 1.6% slower than the next: RESULTS.md); auto's calibration has run it many
+            # times by then, so only the others run twice.
+            for _ in range(1 if adaptive else 2):
+                run(runner, reqs, mode == "admission")
             self.longest_prepare = max(self.longest_prepare, time.perf_counter() - start)
-            print(f"{slots} slots, AL {al}, {name}, {mode}: compiled and run once in "
+            print(f"{slots} slots, AL {al}, {name}, {mode}: compiled and run untimed in "
                   f"{time.perf_counter() - start:.1f} s", flush=True)
             engines.append(Engine(name, al, slots, mode, adaptive, spec is not None and not adaptive, runner, reqs))
         return engines
