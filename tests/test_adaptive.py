@@ -141,6 +141,22 @@ def test_the_table_follows_the_live_rows():
     assert ks == [3, 3, 0, 0, 0, 3, 3, 1, 3]   # 6, 7 and 9 lie outside every row: num_speculative_tokens
 
 
+@pytest.mark.parametrize("k_max", [3, 5])
+def test_the_sweeps_forced_engines_compile_autos_tiers_and_hold_their_k(k_max):
+    """benchmarks/bench_sweep.py's "forced" engines measure the adaptive loop's machinery apart from its choices:
+    auto's very tiers, and their k at every live count the slots allow."""
+    from benchmarks.bench_sweep import speculative_engines
+    slots = 8
+    for name, keys in speculative_engines(["forced"], k_max, 2.0, "ngram", slots):
+        policy = SpeculativeConfig.from_dict({k: v for k, v in keys.items() if k != "model"},
+                                             target_max_model_len=256, target_tensor_parallel_size=1).policy
+        k = int(name.split()[0].removeprefix("k="))
+        assert set(auto_tiers(k_max)) <= set(policy.tiers) == set(auto_tiers(k_max)) | {k}
+        state = _adapt([1.0] * k_max, [1.0] * len(policy.tiers))
+        chosen = {int(adaptive.choose_tier(state, jnp.asarray(live), policy)[0]) for live in range(1, slots + 1)}
+        assert {policy.tiers[tier] for tier in chosen} == {k}
+
+
 def test_running_acceptance_is_conditional_on_the_earlier_drafts():
     state = _adapt([1.0] * 3, [1.0] * 4)
     # Row 0 drafted 3 and had 1 accepted, row 1 drafted 3 with all accepted, row 2 drafted 2 and had none,
