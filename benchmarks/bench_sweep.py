@@ -148,8 +148,12 @@ class Engine:
             self.iterations_per_k = [a - b for a, b in zip(_iterations_per_k(self.runner, k_max), before)]
 
     @property
+    def tokens(self) -> int:
+        return sum(r.params.max_tokens for r in self.reqs)
+
+    @property
     def tok_s(self) -> float:
-        return sum(r.params.max_tokens for r in self.reqs) / statistics.median(self.seconds)
+        return self.tokens / statistics.median(self.seconds)
 
 
 @dataclasses.dataclass
@@ -198,9 +202,9 @@ class Sweep:
             # times by then, so only the others run twice.
             for _ in range(1 if adaptive else 2):
                 run(runner, reqs, mode == "admission")
-            self.longest_prepare = max(self.longest_prepare, time.perf_counter() - start)
-            print(f"{slots} slots, AL {al}, {name}, {mode}: compiled and run untimed in "
-                  f"{time.perf_counter() - start:.1f} s", flush=True)
+            seconds = time.perf_counter() - start
+            self.longest_prepare = max(self.longest_prepare, seconds)
+            print(f"{slots} slots, AL {al}, {name}, {mode}: compiled and run untimed in {seconds:.1f} s", flush=True)
             engines.append(Engine(name, al, slots, mode, adaptive, spec is not None and not adaptive, runner, reqs))
         return engines
 
@@ -224,7 +228,7 @@ class Sweep:
         occupancy = e.runner.queue_traces[-1].occupancy if e.mode == "admission" else None
         return dict(shape=self.shape, drafter=self.draft.name, al=e.al, slots=e.slots, requests=len(e.reqs),
                     engine=e.name, runner=e.mode, tok_s=round(e.tok_s, 1),
-                    runs=[round(sum(r.params.max_tokens for r in e.reqs) / s, 1) for s in e.seconds],
+                    runs=[round(e.tokens / s, 1) for s in e.seconds],
                     over_best_fixed=round(e.tok_s / best, 3) if e.adaptive and best else None,
                     occupancy=occupancy and round(sum(occupancy) / e.slots, 3), iterations_per_k=e.iterations_per_k)
 
