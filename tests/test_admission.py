@@ -5,6 +5,7 @@ and counters come back per request in request order; seeded sampling is the same
 admission order; the slots' occupancy is reported."""
 from __future__ import annotations
 
+import functools
 import json
 
 import jax
@@ -14,7 +15,10 @@ import pytest
 from eagle_heads import write_head
 
 from specjax import LLM, SamplingParams, make_generate_fn
-from specjax.engine import runner
+from specjax.engine import loop, runner
+from specjax.engine.adaptive import policy_inputs
+from specjax.engine.admission import Queue, admit_batch, build_admitting
+from specjax.engine.rows import row_params
 from specjax.kernels.policy import has_kernels
 
 K = 3
@@ -183,6 +187,48 @@ def test_the_functional_core_admits_rows_into_slots_inside_the_users_jit(tiny_di
     np.testing.assert_array_equal(b[2]["num_drafts"], a[2]["num_drafts"])
     with pytest.raises(ValueError, match="slots must be >= 1"):
         make_generate_fn(llm, sampled, slots=0)
+
+
+def _dot_count(fn, *args, **static) -> int:
+    """dot_general operations in fn's jaxpr, nested ones (loop bodies, branches) included."""
+    def count(jaxpr) -> int:
+        total = 0
+        for eqn in jaxpr.eqns:
+            total += eqn.primitive.name == "dot_general"
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (list, tuple)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    total += count(inner) if hasattr(inner, "eqns") else 0
+        return total
+
+    return count(jax.make_jaxpr(functools.partial(fn, **static))(*args).jaxpr)
+
+
+@pytest.mark.parametrize("spec", [None, "eagle3-auto"])
+def test_an_admitting_call_traces_the_decode_loop_once(tiny_dir, default_model_dir, eagle3_head, spec):
+    """Its matmuls are a wave's (a prefill and the decode loop with every tier) and one more prefill's (the
+    admissions'), not a second copy of the decode loop: that copy doubled the program and its compile time."""
+    if spec:
+        spec = {"method": "eagle3", "model": str(eagle3_head), "num_speculative_tokens": K, **AUTO}
+    r = _llm(tiny_dir, default_model_dir, spec)._runner
+    key = (0, True, False, None)
+    loop_spec = r._spec(*key)
+    policy = None if r.policy is None else policy_inputs(np.ones(len(r.policy.tiers), np.float32))
+    tokens, lengths = np.full((SLOTS, 8), 5, np.int32), np.full((SLOTS,), 8, np.int32)
+    rows = row_params([SamplingParams(temperature=0.0, max_tokens=4)] * SLOTS, vocab_size=r.vocab_size,
+                      max_tokens=[4] * SLOTS, eos_token_ids=())
+    wave = _dot_count(loop.build_generate(r.target_graph, r.proposer, loop_spec), r.target_state, r.draft_state,
+                      tokens, lengths, rows, cache_len=MAX_LEN, policy=policy)
+    prefill, _ = loop.build_stream(r.target_graph, r.proposer, loop_spec)
+    one_prefill = _dot_count(prefill, r.target_state, r.draft_state, tokens, lengths, rows, cache_len=MAX_LEN,
+                             policy=policy)
+    admitting = build_admitting(r.target_graph, r.proposer, loop_spec, admit_batch=admit_batch(SLOTS))
+    queue = Queue(np.concatenate([tokens, tokens]), np.concatenate([lengths, lengths]),
+                  jax.tree.map(lambda x: np.concatenate([x, x]), rows), np.int32(2 * SLOTS))
+    admitted = _dot_count(admitting, r.target_state, r.draft_state, queue, slots=SLOTS, cache_len=MAX_LEN,
+                          record_len=64, policy=policy)
+    assert wave > one_prefill > 0   # the decode loop has matmuls of its own
+    assert admitted == wave + one_prefill
 
 
 def test_a_queue_too_large_for_one_call_runs_in_several(tiny_dir, default_model_dir, workload, plain_tokens,

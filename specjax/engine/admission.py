@@ -8,8 +8,10 @@ Randomness is keyed by (seed, position), never by slot, so admission order does 
 Over a mesh (parallel.sharded_loop.sharded_admitting) the slots' caches are pinned to their layout after every
 prefill and decode run, so the outer loop carries them split as the wave loop does.
 
-No lax.cond: the outer while_loop alternates one admission and one decode run that stops as soon as the next
-admission is due (a conditional would copy the KV caches each time it is taken; see loop._body_fn).
+No lax.cond: the outer while_loop alternates one decode run, which stops as soon as the next admission is due,
+and one admission (a conditional would copy the KV caches each time it is taken; see loop._body_fn). The decode
+run is the loop's only copy, so the call compiles the decode loop and its tiers once; the price is one admission
+after the last decode run, whose prefill admits nothing.
 """
 from __future__ import annotations
 
@@ -92,7 +94,7 @@ def build_admitting(target_graph: nnx.GraphDef, proposer: Proposer, spec: loop.L
 
         def admit(a: Admission) -> Admission:
             B = a.request.shape[0]
-            take = jnp.minimum(jnp.minimum(jnp.sum(a.loop.done), width), queue.size - a.next)
+            take = jnp.minimum(jnp.minimum(jnp.sum(a.loop.done), width), queue.size - a.next)   # 0: none waits
             free_first = jnp.argsort(~a.loop.done, stable=True)[:width]
             into = jnp.where(jnp.arange(width) < take, free_first, B)   # B: out of range, dropped
             fresh, rows = prefill(a.next + jnp.arange(width))
@@ -104,7 +106,10 @@ def build_admitting(target_graph: nnx.GraphDef, proposer: Proposer, spec: loop.L
                 rows=_with_rows(a.rows, rows, into), request=a.request.at[into].set(a.next + jnp.arange(width),
                                                                                 mode="drop"),
                 admitted_at=a.admitted_at.at[into].set(a.loop.steps, mode="drop"),
-                admissions=a.admissions + 1, next=a.next + take)
+                admissions=a.admissions + (take > 0), next=a.next + take)
+
+        def running(a: Admission) -> jax.Array:
+            return (a.next < queue.size) | ~jnp.all(a.loop.done)
 
         with loop.exact_matmuls(target.embed[...].dtype):
             first = jnp.arange(slots)
@@ -114,8 +119,7 @@ def build_admitting(target_graph: nnx.GraphDef, proposer: Proposer, spec: loop.L
             a = Admission(loop=state, rows=rows, request=first, admitted_at=jnp.zeros((slots,), jnp.int32),
                           busy=jnp.zeros((slots,), jnp.int32), admissions=jnp.zeros((), jnp.int32),
                           next=jnp.minimum(queue.size, slots), results=results)
-            a = decode(a)
-            a = jax.lax.while_loop(lambda a: a.next < queue.size, lambda a: decode(admit(a)), a)
+            a = jax.lax.while_loop(running, lambda a: admit(decode(a)), a)
             a = _hand_on(a, first)
         return AdmissionOutput(a.results, a.loop.steps, a.busy, a.admissions, a.loop.adapt)
 
