@@ -189,25 +189,35 @@ def test_the_functional_core_admits_rows_into_slots_inside_the_users_jit(tiny_di
         make_generate_fn(llm, sampled, slots=0)
 
 
-def _dot_count(fn, *args, **static) -> int:
-    """dot_general operations in fn's jaxpr, nested ones (loop bodies, branches) included."""
-    def count(jaxpr) -> int:
-        total = 0
-        for eqn in jaxpr.eqns:
-            total += eqn.primitive.name == "dot_general"
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (list, tuple)) else (value,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    total += count(inner) if hasattr(inner, "eqns") else 0
-        return total
+def _inner_jaxprs(eqn) -> list:
+    return [getattr(sub, "jaxpr", sub) for value in eqn.params.values()
+            for sub in (value if isinstance(value, (list, tuple)) else (value,))
+            if hasattr(getattr(sub, "jaxpr", sub), "eqns")]
 
-    return count(jax.make_jaxpr(functools.partial(fn, **static))(*args).jaxpr)
+
+def _dots(jaxpr, branch_dots: list | None = None) -> int:
+    """dot_general operations in a jaxpr, nested ones (loop bodies, branches) included; each cond's branches'
+    counts appended to branch_dots."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += eqn.primitive.name == "dot_general"
+        inner = [_dots(sub, branch_dots) for sub in _inner_jaxprs(eqn)]
+        if eqn.primitive.name == "cond" and branch_dots is not None:
+            branch_dots.append(sorted(inner))
+        total += sum(inner)
+    return total
+
+
+def _dot_count(fn, *args, branch_dots: list | None = None, **static) -> int:
+    return _dots(jax.make_jaxpr(functools.partial(fn, **static))(*args).jaxpr, branch_dots)
 
 
 @pytest.mark.parametrize("spec", [None, "eagle3-auto"])
 def test_an_admitting_call_traces_the_decode_loop_once(tiny_dir, default_model_dir, eagle3_head, spec):
     """Its matmuls are a wave's (a prefill and the decode loop with every tier) and one more prefill's (the
-    admissions'), not a second copy of the decode loop: that copy doubled the program and its compile time."""
+    admissions'), not a second copy of the decode loop: that copy doubled the program and its compile time. The
+    admissions' prefill sits in a conditional whose other branch has no matmul: the admission after the last
+    decode run, which admits nothing, runs no model pass."""
     if spec:
         spec = {"method": "eagle3", "model": str(eagle3_head), "num_speculative_tokens": K, **AUTO}
     r = _llm(tiny_dir, default_model_dir, spec)._runner
@@ -225,10 +235,12 @@ def test_an_admitting_call_traces_the_decode_loop_once(tiny_dir, default_model_d
     admitting = build_admitting(r.target_graph, r.proposer, loop_spec, admit_batch=admit_batch(SLOTS))
     queue = Queue(np.concatenate([tokens, tokens]), np.concatenate([lengths, lengths]),
                   jax.tree.map(lambda x: np.concatenate([x, x]), rows), np.int32(2 * SLOTS))
+    branches = []
     admitted = _dot_count(admitting, r.target_state, r.draft_state, queue, slots=SLOTS, cache_len=MAX_LEN,
-                          record_len=64, policy=policy)
+                          record_len=64, policy=policy, branch_dots=branches)
     assert wave > one_prefill > 0   # the decode loop has matmuls of its own
     assert admitted == wave + one_prefill
+    assert [0, one_prefill] in branches
 
 
 def test_a_queue_too_large_for_one_call_runs_in_several(tiny_dir, default_model_dir, workload, plain_tokens,

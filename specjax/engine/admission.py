@@ -8,10 +8,11 @@ Randomness is keyed by (seed, position), never by slot, so admission order does 
 Over a mesh (parallel.sharded_loop.sharded_admitting) the slots' caches are pinned to their layout after every
 prefill and decode run, so the outer loop carries them split as the wave loop does.
 
-No lax.cond: the outer while_loop alternates one decode run, which stops as soon as the next admission is due,
-and one admission (a conditional would copy the KV caches each time it is taken; see loop._body_fn). The decode
-run is the loop's only copy, so the call compiles the decode loop and its tiers once; the price is one admission
-after the last decode run, whose prefill admits nothing.
+The outer while_loop alternates one decode run, which stops as soon as the next admission is due, and one
+admission, with no lax.cond around either (a conditional would copy the KV caches each time it is taken; see
+loop._body_fn). The decode run is the loop's only copy, so the call compiles the decode loop and its tiers once;
+the admission after the last decode run admits nothing, and a conditional around the prefill alone (its output
+the fresh rows, no slot's cache) skips that prefill's model pass.
 """
 from __future__ import annotations
 
@@ -81,6 +82,16 @@ def build_admitting(target_graph: nnx.GraphDef, proposer: Proposer, spec: loop.L
             state = loop.prefill_rows(target, proposer, draft_state, *picked, cache_len, spec, policy, record_len)
             return dataclasses.replace(state, cache=pin_cache(state.cache)), picked[2]
 
+        def prefill_taken(take: jax.Array, indices: jax.Array) -> tuple[LoopState, RowParams]:
+            """prefill(indices) where some request is admitted; zeros of its shape where none is (the admission
+            after the last decode run), so that one costs no model pass. Only the fresh rows come out of the
+            branch, so the slots' caches are not copied into it."""
+            def none_taken(indices):
+                state, rows = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(prefill, indices))
+                return dataclasses.replace(state, cache=pin_cache(state.cache)), rows
+
+            return jax.lax.cond(take > 0, prefill, none_taken, indices)
+
         def decode(a: Admission) -> Admission:
             waiting = queue.size - a.next
             due = jnp.minimum(width, waiting)
@@ -97,7 +108,7 @@ def build_admitting(target_graph: nnx.GraphDef, proposer: Proposer, spec: loop.L
             take = jnp.minimum(jnp.minimum(jnp.sum(a.loop.done), width), queue.size - a.next)   # 0: none waits
             free_first = jnp.argsort(~a.loop.done, stable=True)[:width]
             into = jnp.where(jnp.arange(width) < take, free_first, B)   # B: out of range, dropped
-            fresh, rows = prefill(a.next + jnp.arange(width))
+            fresh, rows = prefill_taken(take, a.next + jnp.arange(width))
             fresh = dataclasses.replace(fresh, done_at=jnp.full_like(fresh.done_at, a.loop.steps))
             state = _with_rows(dataclasses.replace(a.loop, steps=None, adapt=None),
                                dataclasses.replace(fresh, steps=None, adapt=None), into)
