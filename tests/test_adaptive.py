@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from eagle_heads import write_head
 from flax import nnx
+from jaxpr_counts import primitive_counts
 
 from checkpoints_conv.eagle_loader import load_eagle_head
 from specjax import LLM, SamplingParams
@@ -313,26 +314,6 @@ def test_seeded_sampling_is_reproducible_under_the_auto_policy(tiny_dir, default
 # the k = 0 tier is a plain step
 # ------------------------------------------------------------------------------------------------------------
 
-def _primitive_counts(fn, *args) -> collections.Counter:
-    counts = collections.Counter()
-
-    def subjaxprs(value):
-        if isinstance(value, (list, tuple)):
-            return [j for v in value for j in subjaxprs(v)]
-        inner = getattr(value, "jaxpr", value)
-        return [inner] if hasattr(inner, "eqns") else []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            counts[eqn.primitive.name] += 1
-            for value in eqn.params.values():
-                for sub in subjaxprs(value):
-                    walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return counts
-
-
 ROWS = RowParams(temperature=jnp.zeros((2,)), top_k=jnp.zeros((2,), jnp.int32), top_p=jnp.ones((2,)),
                  min_p=jnp.zeros((2,)), seed=jnp.arange(2, dtype=jnp.uint32), max_tokens=jnp.full((2,), 8, jnp.int32),
                  min_tokens=jnp.zeros((2,), jnp.int32), stop_ids=jnp.full((2, 1), -1, jnp.int32))
@@ -349,7 +330,7 @@ def _step_counts(runner, k: int, adaptive_loop: bool) -> collections.Counter:
     state = prefill(runner.target_state, runner.draft_state, prompts, lengths, ROWS, 48, inputs)
     target = nnx.merge(runner.target_graph, runner.target_state)
     step = loop._tier_step(target, runner.proposer, runner.draft_state, ROWS, spec, None, k, adaptive=adaptive_loop)
-    return _primitive_counts(step, state)
+    return primitive_counts(step, state)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
@@ -481,7 +462,7 @@ def test_a_head_with_nothing_to_catch_up_is_left_as_it_was_and_traces_no_conditi
     carry = jax.tree.map(lambda x: x + 1 if x.dtype == jnp.float32 else x, carry)   # not the zeros init writes
     caught = jax.jit(proposer.catch_up)(head_state, carry, tokens, lengths, _rows(B))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), caught, carry)
-    counts = _primitive_counts(proposer.catch_up, head_state, carry, tokens, lengths, _rows(B))
+    counts = primitive_counts(proposer.catch_up, head_state, carry, tokens, lengths, _rows(B))
     assert counts["cond"] == 0 and counts["while"] == 1
 
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from eagle_heads import write_head
+from jaxpr_counts import primitive_counts
 
 from specjax import LLM, SamplingParams, make_generate_fn
 from specjax.engine import loop, runner
@@ -189,29 +190,6 @@ def test_the_functional_core_admits_rows_into_slots_inside_the_users_jit(tiny_di
         make_generate_fn(llm, sampled, slots=0)
 
 
-def _inner_jaxprs(eqn) -> list:
-    return [getattr(sub, "jaxpr", sub) for value in eqn.params.values()
-            for sub in (value if isinstance(value, (list, tuple)) else (value,))
-            if hasattr(getattr(sub, "jaxpr", sub), "eqns")]
-
-
-def _dots(jaxpr, branch_dots: list | None = None) -> int:
-    """dot_general operations in a jaxpr, nested ones (loop bodies, branches) included; each cond's branches'
-    counts appended to branch_dots."""
-    total = 0
-    for eqn in jaxpr.eqns:
-        total += eqn.primitive.name == "dot_general"
-        inner = [_dots(sub, branch_dots) for sub in _inner_jaxprs(eqn)]
-        if eqn.primitive.name == "cond" and branch_dots is not None:
-            branch_dots.append(sorted(inner))
-        total += sum(inner)
-    return total
-
-
-def _dot_count(fn, *args, branch_dots: list | None = None, **static) -> int:
-    return _dots(jax.make_jaxpr(functools.partial(fn, **static))(*args).jaxpr, branch_dots)
-
-
 @pytest.mark.parametrize("spec", [None, "eagle3-auto"])
 def test_an_admitting_call_traces_the_decode_loop_once(tiny_dir, default_model_dir, eagle3_head, spec):
     """Its matmuls are a wave's (a prefill and the decode loop with every tier) and one more prefill's (the
@@ -227,20 +205,25 @@ def test_an_admitting_call_traces_the_decode_loop_once(tiny_dir, default_model_d
     tokens, lengths = np.full((SLOTS, 8), 5, np.int32), np.full((SLOTS,), 8, np.int32)
     rows = row_params([SamplingParams(temperature=0.0, max_tokens=4)] * SLOTS, vocab_size=r.vocab_size,
                       max_tokens=[4] * SLOTS, eos_token_ids=())
-    wave = _dot_count(loop.build_generate(r.target_graph, r.proposer, loop_spec), r.target_state, r.draft_state,
-                      tokens, lengths, rows, cache_len=MAX_LEN, policy=policy)
+    generate = loop.build_generate(r.target_graph, r.proposer, loop_spec)
+    wave = _dots(functools.partial(generate, cache_len=MAX_LEN, policy=policy), r.target_state, r.draft_state,
+                 tokens, lengths, rows)
     prefill, _ = loop.build_stream(r.target_graph, r.proposer, loop_spec)
-    one_prefill = _dot_count(prefill, r.target_state, r.draft_state, tokens, lengths, rows, cache_len=MAX_LEN,
-                             policy=policy)
+    one_prefill = _dots(functools.partial(prefill, cache_len=MAX_LEN, policy=policy), r.target_state,
+                        r.draft_state, tokens, lengths, rows)
     admitting = build_admitting(r.target_graph, r.proposer, loop_spec, admit_batch=admit_batch(SLOTS))
     queue = Queue(np.concatenate([tokens, tokens]), np.concatenate([lengths, lengths]),
                   jax.tree.map(lambda x: np.concatenate([x, x]), rows), np.int32(2 * SLOTS))
     branches = []
-    admitted = _dot_count(admitting, r.target_state, r.draft_state, queue, slots=SLOTS, cache_len=MAX_LEN,
-                          record_len=64, policy=policy, branch_dots=branches)
+    admitted = _dots(functools.partial(admitting, slots=SLOTS, cache_len=MAX_LEN, record_len=64, policy=policy),
+                     r.target_state, r.draft_state, queue, branches=branches)
     assert wave > one_prefill > 0   # the decode loop has matmuls of its own
     assert admitted == wave + one_prefill
-    assert [0, one_prefill] in branches
+    assert [0, one_prefill] in [sorted(b["dot_general"] for b in cond) for cond in branches]
+
+
+def _dots(fn, *args, branches: list | None = None) -> int:
+    return primitive_counts(fn, *args, branches=branches)["dot_general"]
 
 
 def test_a_queue_too_large_for_one_call_runs_in_several(tiny_dir, default_model_dir, workload, plain_tokens,
