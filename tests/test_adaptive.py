@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -319,16 +320,20 @@ ROWS = RowParams(temperature=jnp.zeros((2,)), top_k=jnp.zeros((2,), jnp.int32), 
                  min_tokens=jnp.zeros((2,), jnp.int32), stop_ids=jnp.full((2, 1), -1, jnp.int32))
 
 
-def _step_counts(runner, k: int, adaptive_loop: bool) -> collections.Counter:
-    """Primitives of one loop step of k drafts, as an adaptive loop's tier or a fixed loop's step, traced over a
-    prefilled state of two rows."""
+def _prefilled(runner, adaptive_loop: bool):
+    """The runner's loop spec, a prefilled state of two rows and the target module, to trace loop parts over."""
     prompts = np.asarray([[5, 6, 7, 5, 6, 7, 5, 6] * 2] * 2, np.int32)
     lengths = np.asarray([16, 9], np.int32)
     spec = runner._spec(0, True, False, None)
     prefill, _ = loop.build_stream(runner.target_graph, runner.proposer, spec)
     inputs = adaptive.policy_inputs(np.ones(len(spec.policy.tiers), np.float32)) if adaptive_loop else None
     state = prefill(runner.target_state, runner.draft_state, prompts, lengths, ROWS, 48, inputs)
-    target = nnx.merge(runner.target_graph, runner.target_state)
+    return spec, state, nnx.merge(runner.target_graph, runner.target_state)
+
+
+def _step_counts(runner, k: int, adaptive_loop: bool) -> collections.Counter:
+    """Primitives of one loop step of k drafts, as an adaptive loop's tier or a fixed loop's step."""
+    spec, state, target = _prefilled(runner, adaptive_loop)
     step = loop._tier_step(target, runner.proposer, runner.draft_state, ROWS, spec, None, k, adaptive=adaptive_loop)
     return primitive_counts(step, state)
 
@@ -350,6 +355,29 @@ def test_the_plain_tier_runs_no_proposer_and_no_verification(tiny_dir, default_m
         return
     assert extra.pop("scatter") == 1
     assert not set(extra) & {"dot_general", "while", "cond", "exp", "log", "argmax", "reduce_max", "sort"}
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_a_drafting_tier_is_the_fixed_loops_step_and_a_segment_catches_up_once(tiny_dir, default_model_dir,
+                                                                              eagle3_head, method):
+    """The adaptive loop's k = K tier traces to the fixed loop's step, primitive for primitive: its proposer
+    catches up once per segment, ahead of the tiers, not in every step (a loop of no trips in each step cost
+    ~70 us per iteration on a GPU; benchmarks/RESULTS.md, "Adaptive k at 8 slots: the catch-up")."""
+    drafter = {"draft_model": {"model": str(tiny_dir)}, "eagle3": {"model": str(eagle3_head)}}[method]
+    spec = {"method": method, "num_speculative_tokens": K, **drafter}
+    adaptive_llm = _llm(tiny_dir, default_model_dir, {**spec, **TABLE})
+    fixed = _llm(tiny_dir, default_model_dir, spec)
+    assert _step_counts(adaptive_llm._runner, K, True) == _step_counts(fixed._runner, K, False)
+    runner = adaptive_llm._runner
+    spec, state, target = _prefilled(runner, True)
+    calls = []
+    catch_up = runner.proposer.catch_up
+    with mock.patch.object(runner.proposer, "catch_up", lambda *a: calls.append(a[-1]) or catch_up(*a)):
+        jax.make_jaxpr(loop._body_fn(target, runner.proposer, runner.draft_state, ROWS, spec, None,
+                                     lambda s: jnp.any(~s.done)))(state)
+    assert len(calls) == 1 and calls[0].dtype == jnp.bool_   # once, told whether the chosen tier drafts
+
+
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -384,6 +412,7 @@ def test_a_draft_model_caught_up_drafts_as_if_it_never_paused(plain_steps):
     carry = init(state, prompt_tokens, prompt, S)
     lengths = prompt + jnp.asarray([1 + plain_steps, 1])   # row 0 paused for plain_steps, row 1 did not
     caught = jax.jit(proposer.catch_up)(state, carry, tokens, lengths, _rows(2))
+    _assert_same(jax.jit(proposer.catch_up)(state, carry, tokens, lengths, _rows(2), False), carry)  # a plain tier
     fresh = init(state, tokens, jnp.full((2,), S, jnp.int32), S)
     valid = int(lengths[0]) - 2
     np.testing.assert_allclose(caught.cache.k[:, 0, :, :valid], fresh.cache.k[:, 0, :, :valid], atol=1e-5)
@@ -436,6 +465,7 @@ def test_a_head_caught_up_after_plain_steps_equals_one_that_observed_each(tmp_pa
         both = observe(head_state, paused, passed, tokens, lengths, rows)
         paused = _row0_from(skip, both, B)
     caught = jax.jit(proposer.catch_up)(head_state, paused, tokens, lengths, rows)
+    _assert_same(jax.jit(proposer.catch_up)(head_state, paused, tokens, lengths, rows, False), paused)
     valid = int(lengths[0]) - 1
     # One pass over the kept positions against one pass per position: fp32 rounding, on hidden states up to 40.
     np.testing.assert_allclose(caught.hidden, observed.hidden, atol=1e-4)
@@ -460,10 +490,13 @@ def test_a_head_with_nothing_to_catch_up_is_left_as_it_was_and_traces_no_conditi
     lengths = jnp.asarray([9, 12], jnp.int32)
     carry = proposer.init(head_state, tokens[:, :12], lengths - 1, S)
     carry = jax.tree.map(lambda x: x + 1 if x.dtype == jnp.float32 else x, carry)   # not the zeros init writes
-    caught = jax.jit(proposer.catch_up)(head_state, carry, tokens, lengths, _rows(B))
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), caught, carry)
+    _assert_same(jax.jit(proposer.catch_up)(head_state, carry, tokens, lengths, _rows(B)), carry)
     counts = primitive_counts(proposer.catch_up, head_state, carry, tokens, lengths, _rows(B))
     assert counts["cond"] == 0 and counts["while"] == 1
+
+
+def _assert_same(carry, expected):
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), carry, expected)
 
 
 def _row0_from(skipped_carry, observed_carry, B: int):

@@ -200,12 +200,12 @@ def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
     policy = spec.policy
     if policy is None:
         if proposer.tree is not None:
-            return _tree_step(target, proposer, draft_state, rows, spec, adaptive=False)
+            return _tree_step(target, proposer, draft_state, rows, spec)
         return _tier_step(target, proposer, draft_state, rows, spec, synthetic_rates, spec.k, adaptive=False)
 
     def segment(k: int):
         if proposer.tree is not None and k > 0:
-            step = _tree_step(target, proposer, draft_state, rows, spec, adaptive=True)
+            step = _tree_step(target, proposer, draft_state, rows, spec)
         else:
             step = _tier_step(target, proposer, draft_state, rows, spec, synthetic_rates, k, adaptive=True)
 
@@ -232,7 +232,10 @@ def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
 
     def body(state: LoopState) -> LoopState:
         tier, steps, adapt = choose_tier(state.adapt, jnp.sum(~state.done).astype(jnp.int32), policy)
-        state = dataclasses.replace(state, adapt=adapt)
+        # Rows fall behind the proposer only in plain segments, so a drafting segment catches up once, here.
+        drafting = jnp.asarray(policy.tiers)[tier] > 0
+        carry = proposer.catch_up(draft_state, state.proposer, state.tokens, state.lengths, rows, drafting)
+        state = dataclasses.replace(state, adapt=adapt, proposer=carry)
         for index, run in enumerate(segments):
             state = run(state, tier == index, steps)
         return state
@@ -255,11 +258,8 @@ def _tier_step(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, s
         if plain_tier:
             drafts, draft_probs, proposer_state = jnp.zeros((B, 0), jnp.int32), None, state.proposer
         else:
-            carry = state.proposer
-            if adaptive:
-                carry = drafter.catch_up(draft_state, carry, state.tokens, state.lengths, rows)
-            drafts, draft_probs, proposer_state = drafter.propose(draft_state, carry, state.tokens, state.lengths,
-                                                                  rows)
+            drafts, draft_probs, proposer_state = drafter.propose(draft_state, state.proposer, state.tokens,
+                                                                  state.lengths, rows)
         drafts = _clamp_drafts(drafts, budget, k)
         last = state.tokens[jnp.arange(B), state.lengths - 1]
         verify_tokens = jnp.concatenate([last[:, None], jnp.maximum(drafts, 0)], axis=1)
@@ -283,20 +283,16 @@ def _tier_step(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, s
     return step
 
 
-def _tree_step(target, proposer: Proposer, draft_state, rows: RowParams, spec: LoopSpec, adaptive: bool):
+def _tree_step(target, proposer: Proposer, draft_state, rows: RowParams, spec: LoopSpec):
     """One iteration drafting a tree per row: one target pass over the root (the last committed token) and the
-    tree's nodes, the accepted path's KV and hidden states moved to follow the root, the path committed. An
-    adaptive loop's proposer first catches up on its tier of plain steps."""
+    tree's nodes, the accepted path's KV and hidden states moved to follow the root, the path committed."""
     depth = proposer.k
 
     def step(state: LoopState) -> LoopState:
         B = state.lengths.shape[0]
         budget = _budget(state, rows, spec)
-        carry = state.proposer
-        if adaptive:
-            carry = proposer.catch_up(draft_state, carry, state.tokens, state.lengths, rows)
-        tree, draft_probs, proposer_state = proposer.propose_tree(draft_state, carry, state.tokens, state.lengths,
-                                                                  rows)
+        tree, draft_probs, proposer_state = proposer.propose_tree(draft_state, state.proposer, state.tokens,
+                                                                  state.lengths, rows)
         tree = tree.within(budget - 1)
         last = state.tokens[jnp.arange(B), state.lengths - 1]
         verify_tokens = jnp.concatenate([last[:, None], jnp.maximum(tree.tokens, 0)], axis=1)

@@ -62,8 +62,9 @@ class Proposer(Protocol):
         no drafting work."""
 
     def catch_up(self, draft_state: Any, carry: Any, tokens: jax.Array, lengths: jax.Array,
-                 rows: RowParams) -> Any:
-        """The carry brought up to the committed tokens after plain steps, before a propose."""
+                 rows: RowParams, drafting: jax.Array | bool = True) -> Any:
+        """The carry brought up to the committed tokens after plain steps, before a propose; left as it is
+        where `drafting` is false (the tier about to run drafts nothing)."""
 
 
 def spare_slots(proposer: Proposer) -> int:
@@ -88,7 +89,7 @@ class Drafting:
     def skipped(self, draft_state, carry, target, tokens, lengths, rows):
         return carry
 
-    def catch_up(self, draft_state, carry, tokens, lengths, rows):
+    def catch_up(self, draft_state, carry, tokens, lengths, rows, drafting=True):
         return carry
 
 

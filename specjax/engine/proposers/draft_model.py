@@ -54,7 +54,7 @@ class DraftModelProposer(IgnoresTarget):
         return DraftCarry(cache, prompt_lengths)
 
     def catch_up(self, draft_state, carry: DraftCarry, tokens: jax.Array, lengths: jax.Array,
-                 rows: RowParams) -> DraftCarry:
+                 rows: RowParams, drafting: jax.Array | bool = True) -> DraftCarry:
         """Run the committed tokens the draft has not seen (below lengths - 2, which propose runs itself), a
         chunk at a time. A chunk starts at the row's first unseen slot, or earlier where it would pass the
         buffer's end (re-running seen tokens writes the same KV); rows already caught up re-run their last
@@ -65,7 +65,7 @@ class DraftModelProposer(IgnoresTarget):
         chunk = min(CATCH_UP_CHUNK, slots)
 
         def behind(c: DraftCarry):
-            return jnp.any(c.synced < goal)
+            return jnp.any(c.synced < goal) & drafting
 
         def run_chunk(c: DraftCarry) -> DraftCarry:
             start = jnp.minimum(jnp.minimum(c.synced, goal), slots - chunk)

@@ -121,7 +121,7 @@ class HeadProposer(Drafting):
         return dataclasses.replace(carry, pending=pending)
 
     def catch_up(self, draft_state, carry: EagleCarry, tokens: jax.Array, lengths: jax.Array,
-                 rows: RowParams) -> EagleCarry:
+                 rows: RowParams, drafting: jax.Array | bool = True) -> EagleCarry:
         """Observe the kept passes (positions pending_from .. lengths - 2, the last `window` of them) as one
         pass, when any row has some. A row with none runs from lengths - 1, writing only beyond its valid KV,
         and keeps its draft."""
@@ -145,7 +145,7 @@ class HeadProposer(Drafting):
         # cache every step, while a loop's carry stays in place (benchmarks/RESULTS.md, "Adaptive speculation
         # at 128 slots").
         _, carry = jax.lax.while_loop(lambda s: s[0], lambda s: (jnp.zeros((), bool), observe_pending(s[1])),
-                                      (jnp.any(behind), carry))
+                                      (jnp.any(behind) & drafting, carry))
         return carry
 
     def propose(self, draft_state, carry: EagleCarry, tokens: jax.Array, lengths: jax.Array, rows: RowParams):
