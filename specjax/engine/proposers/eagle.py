@@ -141,12 +141,10 @@ class HeadProposer(Drafting):
             return dataclasses.replace(new, first=keep(new.first, c.first), hidden=keep(new.hidden, c.hidden),
                                        root=keep(new.root, c.root), first_probs=keep(new.first_probs, c.first_probs))
 
-        # A while loop of at most one trip, not a lax.cond: a conditional's untaken branch copies the head's
-        # cache every step, while a loop's carry stays in place (benchmarks/RESULTS.md, "Adaptive speculation
-        # at 128 slots").
-        _, carry = jax.lax.while_loop(lambda s: s[0], lambda s: (jnp.zeros((), bool), observe_pending(s[1])),
-                                      (jnp.any(behind) & drafting, carry))
-        return carry
+        # Once per segment (engine/loop.py). A conditional's untaken branch copies the head's cache; a loop of
+        # at most one trip kept it in place but cost more per run at few slots, where a step is launch-bound
+        # (benchmarks/RESULTS.md, "Adaptive k at 8 slots: the catch-up").
+        return jax.lax.cond(jnp.any(behind) & drafting, observe_pending, lambda c: c, carry)
 
     def propose(self, draft_state, carry: EagleCarry, tokens: jax.Array, lengths: jax.Array, rows: RowParams):
         head = nnx.merge(self.head_graph, draft_state)
