@@ -23,6 +23,7 @@ from specjax.config.speculation_policy import PROBE_EVERY, PROBE_MAX, Speculatio
 from specjax.engine import adaptive, calibration, loop
 from specjax.engine.proposers.base import NoProposer, TargetPass
 from specjax.engine.proposers.draft_model import DraftModelProposer
+from specjax.engine.proposers import eagle as eagle_proposer
 from specjax.engine.proposers.eagle import HeadProposer
 from specjax.engine.state import RowParams
 from specjax.models.llama import FAMILY, LlamaConfig
@@ -424,11 +425,18 @@ def test_a_draft_model_caught_up_drafts_as_if_it_never_paused(plain_steps):
     assert drafts[0].tolist() == reference[0].tolist()
 
 
+# catch_up's two forms: a conditional (caches up to CATCH_UP_COPY_BYTES) and a loop of at most one trip.
+CATCH_UP_FORMS = {"conditional": eagle_proposer.CATCH_UP_COPY_BYTES, "loop": 0}
+
+
+@pytest.mark.parametrize("form", CATCH_UP_FORMS)
 @pytest.mark.parametrize("layout", ["eagle1_yuhuili", "eagle3_yuhuili"])
 @pytest.mark.parametrize("plain_steps", [1, 4, PROBE_EVERY])
-def test_a_head_caught_up_after_plain_steps_equals_one_that_observed_each(tmp_path, layout, plain_steps):
+def test_a_head_caught_up_after_plain_steps_equals_one_that_observed_each(tmp_path, monkeypatch, layout,
+                                                                          plain_steps, form):
     """A head that skipped plain_steps one-token passes, then caught up, holds the carry (first draft, fed-back
     hidden state, valid KV) of a head that observed each pass; in a batch with a row that kept observing."""
+    monkeypatch.setattr(eagle_proposer, "CATCH_UP_COPY_BYTES", CATCH_UP_FORMS[form])
     cfg = LlamaConfig.from_hf_dict(TINY)
     graph, target_state = nnx.split(FAMILY.random(cfg, seed=0))
     target_state = jax.tree.map(lambda x: x * 3, target_state)
@@ -474,8 +482,11 @@ def test_a_head_caught_up_after_plain_steps_equals_one_that_observed_each(tmp_pa
     np.testing.assert_allclose(caught.cache.v[:, :, :, :valid], observed.cache.v[:, :, :, :valid], atol=1e-5)
 
 
-def test_a_head_with_nothing_to_catch_up_is_left_as_it_was(tmp_path):
-    """catch_up where no row skipped a pass returns the carry bit for bit."""
+@pytest.mark.parametrize("form", CATCH_UP_FORMS)
+def test_a_head_with_nothing_to_catch_up_is_left_as_it_was(tmp_path, monkeypatch, form):
+    """catch_up where no row skipped a pass returns the carry bit for bit, as a conditional for a small cache and
+    as a loop (no conditional, which would copy the cache) for a large one."""
+    monkeypatch.setattr(eagle_proposer, "CATCH_UP_COPY_BYTES", CATCH_UP_FORMS[form])
     cfg = LlamaConfig.from_hf_dict(TINY)
     graph, target_state = nnx.split(FAMILY.random(cfg, seed=0))
     head = load_eagle_head(write_head(tmp_path / "head", TINY, "eagle3_yuhuili", scale=0.3), "eagle3", cfg,
@@ -489,6 +500,8 @@ def test_a_head_with_nothing_to_catch_up_is_left_as_it_was(tmp_path):
     carry = proposer.init(head_state, tokens[:, :12], lengths - 1, S)
     carry = jax.tree.map(lambda x: x + 1 if x.dtype == jnp.float32 else x, carry)   # not the zeros init writes
     _assert_same(jax.jit(proposer.catch_up)(head_state, carry, tokens, lengths, _rows(B)), carry)
+    counts = primitive_counts(proposer.catch_up, head_state, carry, tokens, lengths, _rows(B))
+    assert (counts["cond"], counts["while"]) == ((1, 0) if form == "conditional" else (0, 1))
 
 
 def _assert_same(carry, expected):

@@ -63,6 +63,17 @@ class EagleCarry:
     pending_from: jax.Array      # i32 [B]: the first position not yet observed (lengths - 1 once caught up)
 
 
+# catch_up runs once per segment of the adaptive loop, mostly with nothing to do. Untaken, a conditional copies
+# the head's cache, while a loop of at most one trip keeps it in place but cost ~150 us per run where steps are
+# launch-bound (few slots, small caches; benchmarks/RESULTS.md, "Adaptive k at 8 slots: the catch-up"). So caches up
+# to this size (a few us per iteration to copy) take the conditional, larger ones the loop.
+CATCH_UP_COPY_BYTES = 64 << 20
+
+
+def _nbytes(tree) -> int:
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+
 class HeadProposer(Drafting):
     def __init__(self, head_graph: nnx.GraphDef, head: DraftHead, k: int, probabilistic: bool,
                  feature_size: int = 0, catch_up_window: int = 0, tree: TreeShape | None = None):
@@ -141,10 +152,12 @@ class HeadProposer(Drafting):
             return dataclasses.replace(new, first=keep(new.first, c.first), hidden=keep(new.hidden, c.hidden),
                                        root=keep(new.root, c.root), first_probs=keep(new.first_probs, c.first_probs))
 
-        # Once per segment (engine/loop.py). A conditional's untaken branch copies the head's cache; a loop of
-        # at most one trip kept it in place but cost more per run at few slots, where a step is launch-bound
-        # (benchmarks/RESULTS.md, "Adaptive k at 8 slots: the catch-up").
-        return jax.lax.cond(jnp.any(behind) & drafting, observe_pending, lambda c: c, carry)
+        needed = jnp.any(behind) & drafting
+        if _nbytes(carry.cache) <= CATCH_UP_COPY_BYTES:
+            return jax.lax.cond(needed, observe_pending, lambda c: c, carry)
+        _, carry = jax.lax.while_loop(lambda s: s[0], lambda s: (jnp.zeros((), bool), observe_pending(s[1])),
+                                      (needed, carry))
+        return carry
 
     def propose(self, draft_state, carry: EagleCarry, tokens: jax.Array, lengths: jax.Array, rows: RowParams):
         head = nnx.merge(self.head_graph, draft_state)
