@@ -363,7 +363,7 @@ def test_a_drafting_tier_is_the_fixed_loops_step_and_a_segment_catches_up_once(t
                                                                               eagle3_head, method):
     """The adaptive loop's k = K tier traces to the fixed loop's step, primitive for primitive: its proposer
     catches up once per segment, ahead of the tiers, not in every step (a loop of no trips in each step cost
-    ~70 us per iteration on a GPU; benchmarks/RESULTS.md, "Adaptive k at 8 slots: the catch-up")."""
+    ~90 us per iteration at 8 slots on an H100; benchmarks/RESULTS.md, "Adaptive k at 8 slots: the catch-up")."""
     drafter = {"draft_model": {"model": str(tiny_dir)}, "eagle3": {"model": str(eagle3_head)}}[method]
     spec = {"method": method, "num_speculative_tokens": K, **drafter}
     adaptive_llm = _llm(tiny_dir, default_model_dir, {**spec, **TABLE})
