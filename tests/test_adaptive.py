@@ -379,8 +379,6 @@ def test_a_drafting_tier_is_the_fixed_loops_step_and_a_segment_catches_up_once(t
     assert len(calls) == 1 and calls[0].dtype == jnp.bool_   # once, told whether the chosen tier drafts
 
 
-
-
 # ------------------------------------------------------------------------------------------------------------
 # catching up after plain steps == having drafted all along
 # ------------------------------------------------------------------------------------------------------------
