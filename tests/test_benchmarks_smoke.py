@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 LANES = (("bench_default_model", "bench_eagle", "bench_transformers", "bench_projection", "bench_deepseek",
           "bench_admission"),
          ("bench_engine", "bench_tp", "bench_attention", "bench_prefill", "bench_sampling", "bench_stream",
-          "bench_grouped_matmul", "bench_latent_attention", "bench_sweep"))
+          "bench_grouped_matmul", "bench_latent_attention", "bench_sweep", "bench_policy"))
 SCRIPTS = sorted(name for lane in LANES for name in lane)
 REAL_MODEL = ("bench_default_model", "bench_eagle")
 # Scripts of the default model whose smoke runs check the script, not the model: the 4-layer chat model instead.
@@ -61,6 +61,7 @@ EXPECTED_ROWS = {
                        "bench_deepseek_v2_transformers": ("engine", ["transformers generate"])},
     "bench_stream": {"bench_stream": ("mode", ["generate", "generate_stream"])},
     "bench_sweep": {"bench_sweep": ("engine", ["plain", "k=1 forced", "k=2 forced", "auto k<=2"])},
+    "bench_policy": {"bench_policy": ("case", ["AL 1.2", "AL 1.5", "AL 2.0", "AL 3.0", "geometric 0.6"])},
     "bench_grouped_matmul": {"bench_grouped_matmul": ("form", ["kernel", "xla gathered", "xla ragged_dot"] * 2),
                              "bench_grouped_matmul_sweep": ("f16_rows", [False, True] * 9)},
     "bench_latent_attention": {"bench_latent_attention": ("form", ["kernel", "xla"])},

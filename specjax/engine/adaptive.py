@@ -30,6 +30,10 @@ SEGMENT = 8
 EMA_WEIGHT = 0.25
 # First drafts a probe verifies: its steps are PROBE_SAMPLES / live rows, from one to a segment.
 PROBE_SAMPLES = 32
+# Rows whose verdicts at a position weigh as a whole step; fewer weigh less, each row as much as an eighth of a step
+# (compounded), so that one or two rows' luck does not switch tiers (benchmarks/RESULTS.md, "The running
+# acceptance weighs rows").
+FULL_STEP_ROWS = 8
 
 
 @jax.tree_util.register_dataclass
@@ -112,13 +116,14 @@ def record(adapt: AdaptState, step: jax.Array, k: jax.Array, live: jax.Array, of
     room for (a position without a draft counts as rejected), accepted [B] the drafts it accepted, active [B]
     the rows that were running, segment_steps the length of the segment it belongs to (step_weight). A
     position's rate moves only when some row reached it with every earlier draft accepted (the condition of the
-    conditional rate)."""
+    conditional rate); n rows that reached it keep (1 - step weight) ** min(n / FULL_STEP_ROWS, 1) of the old
+    rate, so eight one-row steps move it as far as one step of eight rows."""
     j = jnp.arange(adapt.acceptance.shape[0])[None, :]
     reached = active[:, None] & (offered[:, None] > j) & (accepted[:, None] >= j)
     hits = jnp.sum(reached & (accepted[:, None] > j), axis=0)
     tries = jnp.sum(reached, axis=0)
     rate = hits / jnp.maximum(tries, 1)
-    weight = step_weight(segment_steps)
+    weight = 1 - (1 - step_weight(segment_steps)) ** (jnp.minimum(tries, FULL_STEP_ROWS) / FULL_STEP_ROWS)
     acceptance = jnp.where(tries > 0, (1 - weight) * adapt.acceptance + weight * rate, adapt.acceptance)
     slot = jnp.minimum(step, adapt.k_per_step.shape[0] - 1)
     return dataclasses.replace(

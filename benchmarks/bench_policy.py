@@ -1,0 +1,106 @@
+"""The adaptive policy's choices without a model: engine/adaptive.py's own choose_tier and record, driven by
+Bernoulli acceptance at given conditional rates and per-tier step times, so that what the policy loses to the
+best fixed k shows apart from what the GPU does (issue 26).
+
+    PYTHONPATH=. python benchmarks/bench_policy.py [--costs 0.899,0.971,1.027,1.120] [--rows 1,2,4,8,32]
+        [--steps 2000] [--seeds 3] [--switch 32,128,512] [--full-step-rows N] [--smoke]
+
+Every row is live for the whole run and has room for every draft. Stationary cases: the synthetic acceptance
+lengths of bench_sweep.py (vLLM's schedule: AL 1.2 = rates 0.2, 0, 0) and a geometric 0.6. `--switch P`: the
+rates alternate every P steps between 0.9 at every position and 0.1 then 0 (a drafter that is right, then
+wrong), against the best single fixed k and against the oracle that takes each phase's best k.
+`--full-step-rows N` overrides adaptive.FULL_STEP_ROWS (1 weighs every step alike, as before it existed).
+Prints auto's tokens per unit time over the best fixed k's expectation (mean, min-max over seeds) and the steps
+it ran at each k (first seed), and writes them to $OUT/bench_policy.json. `--smoke`: one row, 16 steps, one seed.
+"""
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import write_json
+from specjax.config.speculation_policy import SpeculationPolicy, auto_tiers
+from specjax.engine import adaptive
+
+STATIONARY = {"AL 1.2": (0.2, 0.0, 0.0), "AL 1.5": (0.5, 0.0, 0.0), "AL 2.0": (1.0, 0.0, 0.0),
+              "AL 3.0": (1.0, 1.0, 0.0), "geometric 0.6": (0.6, 0.6, 0.6)}
+RIGHT, WRONG = (0.9, 0.9, 0.9), (0.1, 0.0, 0.0)
+
+
+def tokens_per_step(rates, k: int) -> float:
+    """A row's expected tokens from a step drafting k at these conditional rates."""
+    return 1 + float(sum(np.prod(rates[:i + 1]) for i in range(k)))
+
+
+def simulate(rows: int, phases: list, period: int, costs: np.ndarray, steps: int, seed: int):
+    """Tokens per unit time of auto over `steps` steps (rates phases[(step // period) % len]) and steps per k."""
+    policy = SpeculationPolicy("auto", auto_tiers(len(costs) - 1))
+    choose = jax.jit(adaptive.choose_tier, static_argnums=2)
+    record = jax.jit(adaptive.record)
+    rng = np.random.default_rng(seed)
+    state = adaptive.init_adapt(len(costs) - 1, 1, adaptive.policy_inputs(costs))
+    tokens = seconds = 0.0
+    ran = np.zeros(len(costs), int)
+    done = 0
+    while done < steps:
+        tier, segment, state = choose(state, jnp.asarray(rows), policy)
+        k = policy.tiers[int(tier)]
+        for _ in range(int(segment)):
+            rates = np.asarray(phases[(done // period) % len(phases)])
+            passed = rng.random((rows, k)) < rates[None, :k]
+            accepted = np.where(passed.all(1), k, passed.argmin(1)) if k else np.zeros(rows, int)
+            tokens, seconds = tokens + rows + accepted.sum(), seconds + costs[k]
+            state = record(state, jnp.asarray(0), jnp.asarray(k), jnp.asarray(rows), jnp.full((rows,), k),
+                           jnp.asarray(accepted, jnp.int32), jnp.ones((rows,), bool), segment)
+            ran[k] += 1
+            done += 1
+    return tokens / seconds, ran
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--costs", default="0.899,0.971,1.027,1.120", help="step time of k = 0, 1, ...")
+    parser.add_argument("--rows", default="1,2,4,8,32")
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--switch", default=None, help="periods (steps) of right / wrong drafting phases")
+    parser.add_argument("--full-step-rows", type=int, default=None)
+    parser.add_argument("--smoke", action="store_true", help="one row, 16 steps, one seed")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.rows, args.steps, args.seeds = "1", 16, 1
+    if args.full_step_rows is not None:
+        adaptive.FULL_STEP_ROWS = args.full_step_rows
+    costs = np.asarray([float(c) for c in args.costs.split(",")], np.float32)
+    ks = range(len(costs))
+    if args.switch:
+        cases = [(f"switch every {p}", [RIGHT, WRONG], int(p)) for p in args.switch.split(",")]
+    else:
+        cases = [(name, [rates], args.steps) for name, rates in STATIONARY.items()]
+    print(f"FULL_STEP_ROWS {adaptive.FULL_STEP_ROWS}, costs {costs.tolist()}")
+    table = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        for name, phases, period in cases:
+            def rate(k):   # tokens per unit time of fixed k over the phases (equal steps each)
+                return rows * np.mean([tokens_per_step(np.asarray(p), k) for p in phases]) / costs[k]
+            best = max(rate(k) for k in ks)
+            oracle = np.mean([max(rows * tokens_per_step(np.asarray(p), k) / costs[k] for k in ks) for p in phases])
+            runs = [simulate(rows, phases, period, costs, args.steps, seed) for seed in range(args.seeds)]
+            ratio = [r / best for r, _ in runs]
+            line = (f"rows {rows:3d}  {name:16s} auto / best fixed {np.mean(ratio):.3f} "
+                    f"({min(ratio):.3f}-{max(ratio):.3f})")
+            if len(phases) > 1:
+                line += f"  / oracle {np.mean([r for r, _ in runs]) / oracle:.3f}"
+            print(f"{line}  steps per k {runs[0][1].tolist()}", flush=True)
+            table.append(dict(rows=rows, case=name, full_step_rows=adaptive.FULL_STEP_ROWS,
+                              over_best_fixed=round(float(np.mean(ratio)), 4),
+                              over_oracle=round(float(np.mean([r for r, _ in runs]) / oracle), 4),
+                              steps_per_k=runs[0][1].tolist()))
+            write_json("bench_policy", table)
+
+
+if __name__ == "__main__":
+    main()
