@@ -28,6 +28,7 @@ from specjax.engine import adaptive
 STATIONARY = {"AL 1.2": (0.2, 0.0, 0.0), "AL 1.5": (0.5, 0.0, 0.0), "AL 2.0": (1.0, 0.0, 0.0),
               "AL 3.0": (1.0, 1.0, 0.0), "geometric 0.6": (0.6, 0.6, 0.6)}
 RIGHT, WRONG = (0.9, 0.9, 0.9), (0.1, 0.0, 0.0)
+TIERS = auto_tiers(3)   # (0, 1, 2, 3): a tier's index is its k
 
 
 def tokens_per_step(rates, k: int) -> float:
@@ -37,13 +38,13 @@ def tokens_per_step(rates, k: int) -> float:
 
 def simulate(rows: int, phases: list, period: int, costs: np.ndarray, steps: int, seed: int):
     """Tokens per unit time of auto over `steps` steps (rates phases[(step // period) % len]) and steps per k."""
-    policy = SpeculationPolicy("auto", auto_tiers(len(costs) - 1))
+    policy = SpeculationPolicy("auto", TIERS)
     choose = jax.jit(adaptive.choose_tier, static_argnums=2)
     record = jax.jit(adaptive.record)
     rng = np.random.default_rng(seed)
-    state = adaptive.init_adapt(len(costs) - 1, 1, adaptive.policy_inputs(costs))
+    state = adaptive.init_adapt(TIERS[-1], 1, adaptive.policy_inputs(costs))
     tokens = seconds = 0.0
-    ran = np.zeros(len(costs), int)
+    ran = np.zeros(len(TIERS), int)
     done = 0
     while done < steps:
         tier, segment, state = choose(state, jnp.asarray(rows), policy)
@@ -62,7 +63,7 @@ def simulate(rows: int, phases: list, period: int, costs: np.ndarray, steps: int
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--costs", default="0.899,0.971,1.027,1.120", help="step time of k = 0, 1, ...")
+    parser.add_argument("--costs", default="0.899,0.971,1.027,1.120", help="step times of k = 0, 1, 2, 3")
     parser.add_argument("--rows", default="1,2,4,8,32")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--seeds", type=int, default=3)
@@ -75,12 +76,14 @@ def main(argv=None) -> None:
     if args.full_step_rows is not None:
         adaptive.FULL_STEP_ROWS = args.full_step_rows
     costs = np.asarray([float(c) for c in args.costs.split(",")], np.float32)
-    ks = range(len(costs))
+    if len(costs) != len(TIERS):
+        parser.error(f"--costs needs one step time per tier of auto at k <= 3 {TIERS}, got {args.costs}")
+    ks = TIERS
     if args.switch:
         cases = [(f"switch every {p}", [RIGHT, WRONG], int(p)) for p in args.switch.split(",")]
     else:
         cases = [(name, [rates], args.steps) for name, rates in STATIONARY.items()]
-    print(f"FULL_STEP_ROWS {adaptive.FULL_STEP_ROWS}, costs {costs.tolist()}")
+    print(f"FULL_STEP_ROWS {adaptive.FULL_STEP_ROWS}, step times {args.costs} for k = {TIERS}")
     table = []
     for rows in (int(r) for r in args.rows.split(",")):
         for name, phases, period in cases:
