@@ -9,7 +9,8 @@ Every row is live for the whole run and has room for every draft. Stationary cas
 lengths of bench_sweep.py (vLLM's schedule: AL 1.2 = rates 0.2, 0, 0) and a geometric 0.6. `--switch P`: the
 rates alternate every P steps between 0.9 at every position and 0.1 then 0 (a drafter that is right, then
 wrong), against the best single fixed k and against the oracle that takes each phase's best k.
-`--full-step-rows N` overrides adaptive.FULL_STEP_ROWS (1 weighs every step alike, as before it existed).
+`--full-step-rows N` / `--optimistic-verdicts V` override adaptive.FULL_STEP_ROWS / OPTIMISTIC_VERDICTS (1 and
+1e9: every step weighs alike from the start, the rule before either existed).
 Prints auto's tokens per unit time over the best fixed k's expectation (mean, min-max over seeds) and the steps
 it ran at each k (first seed), and writes them to $OUT/bench_policy.json. `--smoke`: one row, 16 steps, one seed.
 """
@@ -69,12 +70,15 @@ def main(argv=None) -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--switch", default=None, help="periods (steps) of right / wrong drafting phases")
     parser.add_argument("--full-step-rows", type=int, default=None)
+    parser.add_argument("--optimistic-verdicts", type=float, default=None)
     parser.add_argument("--smoke", action="store_true", help="one row, 16 steps, one seed")
     args = parser.parse_args(argv)
     if args.smoke:
         args.rows, args.steps, args.seeds = "1", 16, 1
     if args.full_step_rows is not None:
         adaptive.FULL_STEP_ROWS = args.full_step_rows
+    if args.optimistic_verdicts is not None:
+        adaptive.OPTIMISTIC_VERDICTS = args.optimistic_verdicts
     costs = np.asarray([float(c) for c in args.costs.split(",")], np.float32)
     if len(costs) != len(TIERS):
         parser.error(f"--costs needs one step time per tier of auto at k <= 3 {TIERS}, got {args.costs}")
@@ -83,7 +87,8 @@ def main(argv=None) -> None:
         cases = [(f"switch every {p}", [RIGHT, WRONG], int(p)) for p in args.switch.split(",")]
     else:
         cases = [(name, [rates], args.steps) for name, rates in STATIONARY.items()]
-    print(f"FULL_STEP_ROWS {adaptive.FULL_STEP_ROWS}, step times {args.costs} for k = {TIERS}")
+    print(f"FULL_STEP_ROWS {adaptive.FULL_STEP_ROWS}, OPTIMISTIC_VERDICTS {adaptive.OPTIMISTIC_VERDICTS}, "
+          f"step times {args.costs} for k = {TIERS}")
     table = []
     for rows in (int(r) for r in args.rows.split(",")):
         for name, phases, period in cases:
@@ -99,6 +104,7 @@ def main(argv=None) -> None:
                 line += f"  / oracle {np.mean([r for r, _ in runs]) / oracle:.3f}"
             print(f"{line}  steps per k {runs[0][1].tolist()}", flush=True)
             table.append(dict(rows=rows, case=name, full_step_rows=adaptive.FULL_STEP_ROWS,
+                              optimistic_verdicts=adaptive.OPTIMISTIC_VERDICTS, steps=args.steps,
                               over_best_fixed=round(float(np.mean(ratio)), 4),
                               over_oracle=round(float(np.mean([r for r, _ in runs]) / oracle), 4),
                               steps_per_k=runs[0][1].tolist()))

@@ -74,9 +74,11 @@ def test_bad_policies_are_refused_naming_the_field(keys, match):
 # the choice on the device
 # ------------------------------------------------------------------------------------------------------------
 
-def _adapt(acceptance, costs, plain_run=0, forced=-1):
+def _adapt(acceptance, costs, plain_run=0, forced=-1, verdicts=1e6):
+    """A state at these running rates, with `verdicts` behind each (many by default: the running weight's)."""
     state = adaptive.init_adapt(K, 8, adaptive.policy_inputs(costs, forced))
     return adaptive.dataclasses.replace(state, acceptance=jnp.asarray(acceptance, jnp.float32),
+                                        verdicts=jnp.full((K,), verdicts, jnp.float32),
                                         plain_run=jnp.asarray(plain_run, jnp.int32))
 
 
@@ -190,13 +192,27 @@ def test_a_rows_verdict_weighs_the_same_in_one_step_or_spread_over_several():
     assert 0.5 < float(step(state, 1).acceptance[0]) < whole[0]
 
 
+@pytest.mark.parametrize("rows", [1, 8])
+def test_the_first_verdicts_replace_the_optimistic_start_as_an_average(rows):
+    """Fresh rates (1.0, counted as OPTIMISTIC_VERDICTS) move as an average of every verdict so far would, not
+    by the running weight alone: eight rejections of the first draft leave it at 1 / 9, one row at a time or in
+    one step, and a short call does not spend its first segments on drafts it has already seen fail."""
+    state = adaptive.init_adapt(K, 8, adaptive.policy_inputs([1.0] * 4))
+    for _ in range(8 // rows):
+        state = adaptive.record(state, jnp.asarray(0), jnp.asarray(3), jnp.asarray(rows), jnp.full((rows,), 3),
+                                jnp.zeros((rows,), jnp.int32), jnp.ones((rows,), bool))
+    average = adaptive.OPTIMISTIC_VERDICTS / (adaptive.OPTIMISTIC_VERDICTS + 8)
+    np.testing.assert_allclose(state.acceptance, [average, 1.0, 1.0], rtol=1e-6)
+    np.testing.assert_allclose(state.verdicts, [adaptive.OPTIMISTIC_VERDICTS + 8] + [adaptive.OPTIMISTIC_VERDICTS] * 2)
+
+
 def test_one_row_at_a_low_but_winning_acceptance_keeps_drafting():
     """One row whose first draft is accepted 20% of the time, at step costs where k = 1 gains 11% over plain
     decoding (the H100's measured 1-slot costs): a run of rejections must not send the loop to plain steps.
     Weighted per step rather than per row, four rejections in a row did, and the loop spent about 45% of its steps
     plain and 14% probing k = 3 (RESULTS.md, "The running acceptance weighs rows")."""
     policy = SpeculationPolicy("auto", (0, 1, 2, 3))
-    state = _adapt([1.0] * 3, [0.899, 0.971, 1.027, 1.120])
+    state = adaptive.init_adapt(K, 8, adaptive.policy_inputs([0.899, 0.971, 1.027, 1.120]))
     choose = jax.jit(adaptive.choose_tier, static_argnums=2)
     record = jax.jit(adaptive.record)
     rng = np.random.default_rng(0)

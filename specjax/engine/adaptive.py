@@ -34,6 +34,9 @@ PROBE_SAMPLES = 32
 # (compounded), so that one or two rows' luck does not switch tiers (benchmarks/RESULTS.md, "The running
 # acceptance weighs rows").
 FULL_STEP_ROWS = 8
+# Verdicts the optimistic start (every draft accepted) counts as: the first verdicts at a position replace it as an
+# average would (a row's verdict weighs 1 / (verdicts so far + 1)) until the running weight above is the larger.
+OPTIMISTIC_VERDICTS = 1.0
 
 
 @jax.tree_util.register_dataclass
@@ -49,6 +52,7 @@ class PolicyInputs:
 class AdaptState:
     """The adaptive loop's carry beside the rows'."""
     acceptance: jax.Array    # f32 [k_max]: running P(draft j accepted | drafts before j accepted)
+    verdicts: jax.Array      # f32 [k_max]: verdicts recorded at each position, OPTIMISTIC_VERDICTS at the start
     plain_run: jax.Array     # i32 []: plain (k = 0) iterations since the last speculative one
     probe_gap: jax.Array     # i32 []: plain iterations in a row after which the largest tier runs again
     k_per_step: jax.Array    # i32 [S]: iteration i drafted k_per_step[i] tokens per row
@@ -62,7 +66,8 @@ def policy_inputs(step_costs, forced_tier: int = -1) -> PolicyInputs:
 
 def init_adapt(k_max: int, max_steps: int, inputs: PolicyInputs) -> AdaptState:
     """Optimistic rates at first (every draft accepted), so the loop speculates and measures before it judges."""
-    return AdaptState(acceptance=jnp.ones((k_max,), jnp.float32), plain_run=jnp.zeros((), jnp.int32),
+    return AdaptState(acceptance=jnp.ones((k_max,), jnp.float32),
+                      verdicts=jnp.full((k_max,), OPTIMISTIC_VERDICTS, jnp.float32), plain_run=jnp.zeros((), jnp.int32),
                       probe_gap=jnp.asarray(PROBE_EVERY, jnp.int32),
                       k_per_step=jnp.zeros((max_steps,), jnp.int32),
                       live_per_step=jnp.zeros((max_steps,), jnp.int32), inputs=inputs)
@@ -117,15 +122,18 @@ def record(adapt: AdaptState, step: jax.Array, k: jax.Array, live: jax.Array, of
     the rows that were running, segment_steps the length of the segment it belongs to (step_weight). A
     position's rate moves only when some row reached it with every earlier draft accepted (the condition of the
     conditional rate); n rows that reached it keep (1 - step weight) ** min(n / FULL_STEP_ROWS, 1) of the old
-    rate, so eight one-row steps move it as far as one step of eight rows."""
+    rate, so eight one-row steps move it as far as one step of eight rows, or (early on, when more) keep
+    v / (v + n) of it after v verdicts, as an average of every verdict so far would."""
     j = jnp.arange(adapt.acceptance.shape[0])[None, :]
     reached = active[:, None] & (offered[:, None] > j) & (accepted[:, None] >= j)
     hits = jnp.sum(reached & (accepted[:, None] > j), axis=0)
     tries = jnp.sum(reached, axis=0)
     rate = hits / jnp.maximum(tries, 1)
-    weight = 1 - (1 - step_weight(segment_steps)) ** (jnp.minimum(tries, FULL_STEP_ROWS) / FULL_STEP_ROWS)
+    running = 1 - (1 - step_weight(segment_steps)) ** (jnp.minimum(tries, FULL_STEP_ROWS) / FULL_STEP_ROWS)
+    weight = jnp.maximum(running, tries / (adapt.verdicts + tries))
     acceptance = jnp.where(tries > 0, (1 - weight) * adapt.acceptance + weight * rate, adapt.acceptance)
     slot = jnp.minimum(step, adapt.k_per_step.shape[0] - 1)
     return dataclasses.replace(
-        adapt, acceptance=acceptance, plain_run=jnp.where(k == 0, adapt.plain_run + 1, 0),
+        adapt, acceptance=acceptance, verdicts=adapt.verdicts + tries,
+        plain_run=jnp.where(k == 0, adapt.plain_run + 1, 0),
         k_per_step=adapt.k_per_step.at[slot].set(k), live_per_step=adapt.live_per_step.at[slot].set(live))
