@@ -3,7 +3,7 @@ Bernoulli acceptance at given conditional rates and per-tier step times, so that
 best fixed k shows apart from what the GPU does (issue 26).
 
     PYTHONPATH=. python benchmarks/bench_policy.py [--costs 0.899,0.971,1.027,1.120] [--rows 1,2,4,8,32]
-        [--steps 2000] [--seeds 3] [--switch 32,128,512] [--full-step-rows N] [--smoke]
+        [--steps 2000] [--seeds 3] [--switch 32,128,512] [--full-step-rows N] [--optimistic-verdicts V] [--smoke]
 
 Every row is live for the whole run and has room for every draft. Stationary cases: the synthetic acceptance
 lengths of bench_sweep.py (vLLM's schedule: AL 1.2 = rates 0.2, 0, 0) and a geometric 0.6. `--switch P`: the
