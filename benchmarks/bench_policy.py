@@ -32,9 +32,9 @@ RIGHT, WRONG = (0.9, 0.9, 0.9), (0.1, 0.0, 0.0)
 TIERS = auto_tiers(3)   # (0, 1, 2, 3): a tier's index is its k
 
 
-def tokens_per_step(rates, k: int) -> float:
-    """A row's expected tokens from a step drafting k at these conditional rates."""
-    return 1 + float(sum(np.prod(rates[:i + 1]) for i in range(k)))
+def tokens_per_step(rates) -> np.ndarray:
+    """A row's expected tokens from a step of each tier (indexed by k) at these conditional rates."""
+    return np.asarray(adaptive.expected_tokens(jnp.asarray(rates, jnp.float32), TIERS))
 
 
 def simulate(rows: int, phases: list, period: int, costs: np.ndarray, steps: int, seed: int):
@@ -82,7 +82,6 @@ def main(argv=None) -> None:
     costs = np.asarray([float(c) for c in args.costs.split(",")], np.float32)
     if len(costs) != len(TIERS):
         parser.error(f"--costs needs one step time per tier of auto at k <= 3 {TIERS}, got {args.costs}")
-    ks = TIERS
     if args.switch:
         cases = [(f"switch every {p}", [RIGHT, WRONG], int(p)) for p in args.switch.split(",")]
     else:
@@ -92,10 +91,9 @@ def main(argv=None) -> None:
     table = []
     for rows in (int(r) for r in args.rows.split(",")):
         for name, phases, period in cases:
-            def rate(k):   # tokens per unit time of fixed k over the phases (equal steps each)
-                return rows * np.mean([tokens_per_step(np.asarray(p), k) for p in phases]) / costs[k]
-            best = max(rate(k) for k in ks)
-            oracle = np.mean([max(rows * tokens_per_step(np.asarray(p), k) / costs[k] for k in ks) for p in phases])
+            per_phase = rows * np.stack([tokens_per_step(p) for p in phases]) / costs   # [phases, tiers]
+            best = per_phase.mean(0).max()   # one fixed k over the phases (equal steps each)
+            oracle = per_phase.max(1).mean()
             runs = [simulate(rows, phases, period, costs, args.steps, seed) for seed in range(args.seeds)]
             ratio = [r / best for r, _ in runs]
             line = (f"rows {rows:3d}  {name:16s} auto / best fixed {np.mean(ratio):.3f} "

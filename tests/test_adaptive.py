@@ -211,20 +211,10 @@ def test_one_row_at_a_low_but_winning_acceptance_keeps_drafting():
     decoding (the H100's measured 1-slot costs): a run of rejections must not send the loop to plain steps.
     Weighted per step rather than per row, four rejections in a row did, and the loop spent about 45% of its steps
     plain and 14% probing k = 3 (RESULTS.md, "The running acceptance weighs rows")."""
-    policy = SpeculationPolicy("auto", (0, 1, 2, 3))
-    state = adaptive.init_adapt(K, 8, adaptive.policy_inputs([0.899, 0.971, 1.027, 1.120]))
-    choose = jax.jit(adaptive.choose_tier, static_argnums=2)
-    record = jax.jit(adaptive.record)
-    rng = np.random.default_rng(0)
-    ran = collections.Counter()
-    for _ in range(48):
-        tier, steps, state = choose(state, jnp.asarray(1), policy)
-        k = policy.tiers[int(tier)]
-        for _ in range(int(steps)):
-            accepted = int(k > 0 and rng.random() < 0.2)
-            state = record(state, jnp.asarray(0), jnp.asarray(k), jnp.asarray(1), jnp.asarray([k]),
-                           jnp.asarray([accepted]), jnp.ones((1,), bool), steps)
-            ran[k] += 1
+    from benchmarks.bench_policy import simulate
+    _, ran = simulate(rows=1, phases=[(0.2, 0.0, 0.0)], period=384, costs=np.asarray([0.899, 0.971, 1.027, 1.120]),
+                      steps=384, seed=0)
+    ran = dict(enumerate(ran))
     assert ran[0] <= 0.05 * sum(ran.values()), ran
 
 
