@@ -41,7 +41,7 @@ def simulate(rows: int, phases: list, period: int, costs: np.ndarray, steps: int
     """Tokens per unit time of auto over `steps` steps (rates phases[(step // period) % len]) and steps per k."""
     policy = SpeculationPolicy("auto", TIERS)
     choose = jax.jit(adaptive.choose_tier, static_argnums=2)
-    record = jax.jit(adaptive.record)
+    record = jax.jit(adaptive.record, static_argnums=2)
     rng = np.random.default_rng(seed)
     state = adaptive.init_adapt(TIERS[-1], 1, adaptive.policy_inputs(costs))
     tokens = seconds = 0.0
@@ -55,7 +55,7 @@ def simulate(rows: int, phases: list, period: int, costs: np.ndarray, steps: int
             passed = rng.random((rows, k)) < rates[None, :k]
             accepted = np.where(passed.all(1), k, passed.argmin(1)) if k else np.zeros(rows, int)
             tokens, seconds = tokens + rows + accepted.sum(), seconds + costs[k]
-            state = record(state, jnp.asarray(0), jnp.asarray(k), jnp.asarray(rows), jnp.full((rows,), k),
+            state = record(state, jnp.asarray(0), k, jnp.asarray(rows), jnp.full((rows,), k),
                            jnp.asarray(accepted, jnp.int32), jnp.ones((rows,), bool), segment)
             ran[k] += 1
             done += 1

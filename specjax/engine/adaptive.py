@@ -1,11 +1,12 @@
 """Adaptive speculation on the device: which compiled k tier the next loop iterations run, and the statistics
 that choice reads (running per-position acceptance, and a record of each iteration's k and live rows).
 
-Each tier is a while loop in the loop body (loop.py), a segment of up to SEGMENT iterations of its k that runs
-when chosen; k = 0 is a plain decode step. "auto" scores a tier k
-by the tokens a row expects from it, 1 + sum_{i<k} prod_{j<=i} a_j with a_j the running conditional acceptance
-at draft position j, over the tier's step time, and takes the best. Dead rows cost as much as live ones in a
-compiled batch, so the step times are per compiled shape and the live count enters through the statistics.
+Each tier is a while loop in the loop body (loop.py), a segment of iterations of its k that runs when chosen
+(SEGMENT of them; a plain tier chosen on its merits, until the next probe is due); k = 0 is a plain decode
+step. "auto" scores a tier k by the tokens a row expects from it, 1 + sum_{i<k} prod_{j<=i} a_j with a_j the
+running conditional acceptance at draft position j, over the tier's step time, and takes the best. Dead rows
+cost as much as live ones in a compiled batch, so the step times are per compiled shape and the live count
+enters through the statistics.
 The choice is one k for every row: a tier's verify pass is one static width for the whole batch, so a row that
 drafted fewer tokens than its tier would save no work, only lose the chance of its drafts being accepted.
 A tier not run stops updating its positions' rates, so after `probe_gap` plain steps in a row the loop runs
@@ -55,9 +56,18 @@ class AdaptState:
     verdicts: jax.Array      # f32 [k_max]: verdicts recorded at each position, OPTIMISTIC_VERDICTS at the start
     plain_run: jax.Array     # i32 []: plain (k = 0) iterations since the last speculative one
     probe_gap: jax.Array     # i32 []: plain iterations in a row after which the largest tier runs again
-    k_per_step: jax.Array    # i32 [S]: iteration i drafted k_per_step[i] tokens per row
-    live_per_step: jax.Array  # i32 [S]: rows running at iteration i
+    per_step: jax.Array      # i32 [S, 2]: iteration i's k and live rows, one array so that a step writes once
     inputs: PolicyInputs
+
+    @property
+    def k_per_step(self) -> jax.Array:
+        """i32 [S]: iteration i drafted k_per_step[i] tokens per row."""
+        return self.per_step[:, 0]
+
+    @property
+    def live_per_step(self) -> jax.Array:
+        """i32 [S]: rows running at iteration i."""
+        return self.per_step[:, 1]
 
 
 def policy_inputs(step_costs, forced_tier: int = -1) -> PolicyInputs:
@@ -68,9 +78,8 @@ def init_adapt(k_max: int, max_steps: int, inputs: PolicyInputs) -> AdaptState:
     """Optimistic rates at first (every draft accepted), so the loop speculates and measures before it judges."""
     return AdaptState(acceptance=jnp.ones((k_max,), jnp.float32),
                       verdicts=jnp.full((k_max,), OPTIMISTIC_VERDICTS, jnp.float32), plain_run=jnp.zeros((), jnp.int32),
-                      probe_gap=jnp.asarray(PROBE_EVERY, jnp.int32),
-                      k_per_step=jnp.zeros((max_steps,), jnp.int32),
-                      live_per_step=jnp.zeros((max_steps,), jnp.int32), inputs=inputs)
+                      probe_gap=jnp.asarray(PROBE_EVERY, jnp.int32), per_step=jnp.zeros((max_steps, 2), jnp.int32),
+                      inputs=inputs)
 
 
 def expected_tokens(acceptance: jax.Array, tiers: tuple[int, ...]) -> jax.Array:
@@ -82,7 +91,7 @@ def expected_tokens(acceptance: jax.Array, tiers: tuple[int, ...]) -> jax.Array:
 def choose_tier(adapt: AdaptState, live: jax.Array,
                 policy: SpeculationPolicy) -> tuple[jax.Array, jax.Array, AdaptState]:
     """The index into policy.tiers of the tier the next segment runs, its length in steps (SEGMENT; fewer for a
-    probe of many rows), and the state with its probe gap moved."""
+    probe of many rows, more for a plain tier chosen on its merits), and the state with its probe gap moved."""
     tiers = policy.tiers
     steps = jnp.asarray(SEGMENT, jnp.int32)
     if policy.mode == "table":
@@ -95,7 +104,11 @@ def choose_tier(adapt: AdaptState, live: jax.Array,
         gap = jnp.where(probing, jnp.minimum(2 * adapt.probe_gap, PROBE_MAX),
                         jnp.where(tier > 0, PROBE_EVERY, adapt.probe_gap))
         probe_steps = jnp.clip(-(-PROBE_SAMPLES // jnp.maximum(live, 1)), 1, SEGMENT).astype(jnp.int32)
-        steps = jnp.where(probing, probe_steps, steps)
+        # Plain steps record no verdicts, so a plain tier chosen on its merits stays the choice until a probe is
+        # due: one segment runs until then, and its choice's work is paid once for all of those steps.
+        until_probe = jnp.maximum(adapt.probe_gap - adapt.plain_run, SEGMENT)
+        plain = (jnp.asarray(tiers)[tier] == 0) & (adapt.inputs.forced_tier < 0)
+        steps = jnp.where(probing, probe_steps, jnp.where(plain, until_probe, steps)).astype(jnp.int32)
         tier = jnp.where(probing, len(tiers) - 1, tier)
         adapt = dataclasses.replace(adapt, probe_gap=gap.astype(jnp.int32))
     return jnp.where(adapt.inputs.forced_tier >= 0, adapt.inputs.forced_tier, tier), steps, adapt
@@ -115,15 +128,28 @@ def step_weight(segment_steps: jax.Array) -> jax.Array:
     return 1 - (1 - EMA_WEIGHT) ** (SEGMENT / segment_steps)
 
 
-def record(adapt: AdaptState, step: jax.Array, k: jax.Array, live: jax.Array, offered: jax.Array,
+def record(adapt: AdaptState, step: jax.Array, k: int, live: jax.Array, offered: jax.Array,
            accepted: jax.Array, active: jax.Array, segment_steps: jax.Array | int = SEGMENT) -> AdaptState:
-    """The statistics after iteration `step` ran tier k: offered [B] the positions each row's verify pass had
-    room for (a position without a draft counts as rejected), accepted [B] the drafts it accepted, active [B]
-    the rows that were running, segment_steps the length of the segment it belongs to (step_weight). A
-    position's rate moves only when some row reached it with every earlier draft accepted (the condition of the
-    conditional rate); n rows that reached it keep (1 - step weight) ** min(n / FULL_STEP_ROWS, 1) of the old
-    rate, so eight one-row steps move it as far as one step of eight rows, or (early on, when more) keep
-    v / (v + n) of it after v verdicts, as an average of every verdict so far would."""
+    """The statistics after iteration `step` ran tier k (static: a plain step has no verdicts to record):
+    offered [B] the positions each row's verify pass had room for (a position without a draft counts as
+    rejected), accepted [B] the drafts it accepted, active [B] the rows that were running, segment_steps the
+    length of the segment it belongs to (step_weight)."""
+    if k > 0:
+        adapt = _with_verdicts(adapt, offered, accepted, active, segment_steps)
+    slot = jnp.minimum(step, adapt.per_step.shape[0] - 1)
+    return dataclasses.replace(
+        adapt, plain_run=adapt.plain_run + 1 if k == 0 else jnp.zeros_like(adapt.plain_run),
+        per_step=jax.lax.dynamic_update_slice(adapt.per_step, jnp.stack([jnp.asarray(k, jnp.int32), live])[None],
+                                              (slot, jnp.zeros_like(slot))))
+
+
+def _with_verdicts(adapt: AdaptState, offered: jax.Array, accepted: jax.Array, active: jax.Array,
+                   segment_steps: jax.Array | int) -> AdaptState:
+    """The running rates after one step's verdicts. A position's rate moves only when some row reached it with
+    every earlier draft accepted (the condition of the conditional rate); n rows that reached it keep
+    (1 - step weight) ** min(n / FULL_STEP_ROWS, 1) of the old rate, so eight one-row steps move it as far as
+    one step of eight rows, or (early on, when more) keep v / (v + n) of it after v verdicts, as an average of
+    every verdict so far would."""
     j = jnp.arange(adapt.acceptance.shape[0])[None, :]
     reached = active[:, None] & (offered[:, None] > j) & (accepted[:, None] >= j)
     hits = jnp.sum(reached & (accepted[:, None] > j), axis=0)
@@ -132,8 +158,4 @@ def record(adapt: AdaptState, step: jax.Array, k: jax.Array, live: jax.Array, of
     running = 1 - (1 - step_weight(segment_steps)) ** (jnp.minimum(tries, FULL_STEP_ROWS) / FULL_STEP_ROWS)
     weight = jnp.maximum(running, tries / (adapt.verdicts + tries))
     acceptance = jnp.where(tries > 0, (1 - weight) * adapt.acceptance + weight * rate, adapt.acceptance)
-    slot = jnp.minimum(step, adapt.k_per_step.shape[0] - 1)
-    return dataclasses.replace(
-        adapt, acceptance=acceptance, verdicts=adapt.verdicts + tries,
-        plain_run=jnp.where(k == 0, adapt.plain_run + 1, 0),
-        k_per_step=adapt.k_per_step.at[slot].set(k), live_per_step=adapt.live_per_step.at[slot].set(live))
+    return dataclasses.replace(adapt, acceptance=acceptance, verdicts=adapt.verdicts + tries)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -216,8 +217,7 @@ def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
             # that found no draft there (an n-gram miss) gained nothing from them, so they count as rejected.
             offered = jnp.clip(_budget(state, rows, spec) - 1, 0, k)
             state = step(state)
-            adapt = record(state.adapt, state.steps - 1, jnp.asarray(k, jnp.int32),
-                           jnp.sum(active).astype(jnp.int32), offered,
+            adapt = record(state.adapt, state.steps - 1, k, jnp.sum(active).astype(jnp.int32), offered,
                            state.counters.num_accepted - before.num_accepted, active, segment_steps)
             return dataclasses.replace(state, adapt=adapt)
 
@@ -379,8 +379,11 @@ def _mask_stop_ids(logits: jax.Array, rows: RowParams, generated: jax.Array,
     B, T, V = logits.shape
     offsets = jnp.arange(T)[None, :] if offsets is None else offsets
     too_early = (generated[:, None] + offsets) < rows.min_tokens[:, None]  # [B, T]
-    is_stop = jnp.zeros((B, V), bool).at[
-        jnp.arange(B)[:, None], jnp.maximum(rows.stop_ids, 0)].max(rows.stop_ids >= 0)
+    # Compared id by id rather than scattered into a [B, V] mask, so that the test fuses into the logits' consumer
+    # instead of writing a mask every step.
+    vocab = jnp.arange(V)[None, :]
+    is_stop = functools.reduce(jnp.logical_or, [vocab == rows.stop_ids[:, i:i + 1]
+                                                for i in range(rows.stop_ids.shape[1])])   # -1 matches no id
     return jnp.where(too_early[:, :, None] & is_stop[:, None, :], -jnp.inf, logits)
 
 
