@@ -15,8 +15,9 @@ step times the engine measures on its first call). Each engine runs the requests
 recorded (compilation, calibration); then a slot count's engines are timed in --repeats rounds, one run each per
 round in alternating order, and each row gives the median (and every run); plain decoding once per slot count,
 whatever the acceptance lengths. Prints a table (tokens/s, against plain and against the best fixed k, slot
-occupancy, iterations at each k) and writes $OUT/bench_sweep.json after each round. Synthetic acceptance takes
-drafts whether or not the target agrees, so the tokens are not plain decoding's: this measures speed only.
+occupancy, iterations at each k, the step times auto weighed its tiers by) and writes $OUT/bench_sweep.json after
+each round. Synthetic acceptance takes drafts whether or not the target agrees, so the tokens are not plain
+decoding's: this measures speed only.
 `--per-slot N` runs the first min(num, N x slots) requests at each slot count, so that small slot counts take
 about as long as large ones (one slot would take 512 requests one at a time). Engines that differ only in their
 acceptance rate run the same programs: the process's compilation cache (common.reuse_compilations) loads them.
@@ -230,7 +231,8 @@ class Sweep:
                     engine=e.name, runner=e.mode, tok_s=round(e.tok_s, 1),
                     runs=[round(e.tokens / s, 1) for s in e.seconds],
                     over_best_fixed=round(e.tok_s / best, 3) if e.adaptive and best else None,
-                    occupancy=occupancy and round(sum(occupancy) / e.slots, 3), iterations_per_k=e.iterations_per_k)
+                    occupancy=occupancy and round(sum(occupancy) / e.slots, 3), iterations_per_k=e.iterations_per_k,
+                    step_costs=[[float(f"{c:.4g}") for c in costs] for costs in e.runner.step_costs()] or None)
 
     def _profiled(self, runner: WaveRunner, reqs: list[Request], label: str) -> dict:
         """The admission run again under the profiler: busy time and kernels per loop iteration (NaN off GPUs),

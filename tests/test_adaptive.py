@@ -663,7 +663,9 @@ def test_auto_calibrates_a_shape_once_and_stores_it(tiny_dir, default_model_dir,
         raise AssertionError("calibrated again")
 
     monkeypatch.setattr("specjax.engine.runner.measure_step_costs", refuse)
-    _llm(tiny_dir, default_model_dir, spec).generate(prompts, params, use_tqdm=False)
+    again = _llm(tiny_dir, default_model_dir, spec)
+    again.generate(prompts, params, use_tqdm=False)
+    np.testing.assert_allclose(again._runner.step_costs(), list(stored.values()), rtol=1e-6)   # what it weighed
 
 
 def test_admission_calibrates_on_its_own_program(tiny_dir, default_model_dir, workload, plain_tokens, monkeypatch,

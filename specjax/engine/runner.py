@@ -219,6 +219,10 @@ class WaveRunner:
             self._step_costs[store_key] = policy_inputs(np.asarray(costs, np.float32))
         return self._step_costs[store_key]
 
+    def step_costs(self) -> list[list[float]]:
+        """The step times auto has weighed tiers by so far, one list (a time per tier) for each batch shape."""
+        return [np.asarray(inputs.step_costs).tolist() for inputs in self._step_costs.values()]
+
     def generate_fn(self, n_top: int, greedy: bool, ranks: bool = False, prompt_top: int | None = None):
         """One jitted function per LoopSpec (top logprobs, all rows greedy, ranks, prompt logprobs); jit itself
         caches one executable per shape bucket. enforce_eager compiles it without CUDA graphs."""
