@@ -55,7 +55,7 @@ def simulate(rows: int, phases: list, period: int, costs: np.ndarray, steps: int
             passed = rng.random((rows, k)) < rates[None, :k]
             accepted = np.where(passed.all(1), k, passed.argmin(1)) if k else np.zeros(rows, int)
             tokens, seconds = tokens + rows + accepted.sum(), seconds + costs[k]
-            state = record(state, jnp.asarray(0), k, jnp.asarray(rows), jnp.full((rows,), k),
+            state = record(state, jnp.asarray(1), k, jnp.asarray(rows), jnp.full((rows,), k),
                            jnp.asarray(accepted, jnp.int32), jnp.ones((rows,), bool), segment)
             ran[k] += 1
             done += 1

@@ -127,11 +127,11 @@ def test_a_probe_verifies_a_set_number_of_drafts_and_weighs_as_a_segment(live, s
     tier, probe_steps, probed = jax.jit(adaptive.choose_tier, static_argnums=2)(state, jnp.asarray(live), policy)
     assert int(tier) == 3 and int(probe_steps) == steps
     for step in range(steps):   # every first draft accepted at each of the probe's steps
-        probed = adaptive.record(probed, jnp.asarray(step), 3, jnp.asarray(live),
+        probed = adaptive.record(probed, jnp.asarray(step + 1), 3, jnp.asarray(live),
                                  jnp.full((live,), 3), jnp.full((live,), 3), jnp.ones((live,), bool), probe_steps)
     ordinary = state
     for step in range(adaptive.SEGMENT):
-        ordinary = adaptive.record(ordinary, jnp.asarray(step), 3, jnp.asarray(live),
+        ordinary = adaptive.record(ordinary, jnp.asarray(step + 1), 3, jnp.asarray(live),
                                    jnp.full((live,), 3), jnp.full((live,), 3), jnp.ones((live,), bool))
     np.testing.assert_allclose(probed.acceptance, ordinary.acceptance, rtol=1e-5)
     tier, segment, _ = adaptive.choose_tier(probed, jnp.asarray(live), policy)   # drafts won: a speculative tier
@@ -153,7 +153,7 @@ def test_a_plain_tier_chosen_on_its_merits_runs_until_the_next_probe(gap, plain_
     tier, segment, state = choose(state, 4, policy)
     assert (int(tier), int(segment), int(state.probe_gap)) == (0, steps, gap)
     for step in range(int(segment)):
-        state = adaptive.record(state, jnp.asarray(step), 0, jnp.asarray(4), jnp.zeros((4,), jnp.int32),
+        state = adaptive.record(state, jnp.asarray(step + 1), 0, jnp.asarray(4), jnp.zeros((4,), jnp.int32),
                                 jnp.zeros((4,), jnp.int32), jnp.ones((4,), bool))
     assert int(choose(state, 4, policy)[0]) == 3
     forced = _adapt([0.1] * 3, costs, forced=0)
@@ -162,12 +162,12 @@ def test_a_plain_tier_chosen_on_its_merits_runs_until_the_next_probe(gap, plain_
 
 def test_a_plain_step_records_its_k_and_rows_and_no_verdicts():
     state = _adapt([0.4] * 3, [1.0] * 4, verdicts=5.0)
-    after = adaptive.record(state, jnp.asarray(2), 0, jnp.asarray(3), jnp.zeros((4,), jnp.int32),
+    after = adaptive.record(state, jnp.asarray(3), 0, jnp.asarray(3), jnp.zeros((4,), jnp.int32),
                             jnp.zeros((4,), jnp.int32), jnp.asarray([True, True, True, False]))
     np.testing.assert_array_equal(after.acceptance, state.acceptance)
     np.testing.assert_array_equal(after.verdicts, state.verdicts)
-    assert int(after.plain_run) == 1 and after.per_step[2].tolist() == [0, 3]
-    drafted = adaptive.record(after, jnp.asarray(3), 2, jnp.asarray(3), jnp.full((4,), 2), jnp.ones((4,), jnp.int32),
+    assert int(after.plain_run) == 1 and after.live_per_step[2] == 3 and after.k_per_step[2] == 0
+    drafted = adaptive.record(after, jnp.asarray(4), 2, jnp.asarray(3), jnp.full((4,), 2), jnp.ones((4,), jnp.int32),
                               jnp.asarray([True, True, True, False]))
     assert int(drafted.plain_run) == 0 and drafted.k_per_step[:4].tolist() == [0, 0, 0, 2]
 
@@ -199,7 +199,7 @@ def test_running_acceptance_is_conditional_on_the_earlier_drafts():
     state = _adapt([1.0] * 3, [1.0] * 4)
     # Row 0 drafted 3 and had 1 accepted, row 1 drafted 3 with all accepted, row 2 drafted 2 and had none,
     # row 3 was not running.
-    state = adaptive.record(state, jnp.asarray(0), 3, jnp.asarray(3), jnp.asarray([3, 3, 2, 3]),
+    state = adaptive.record(state, jnp.asarray(1), 3, jnp.asarray(3), jnp.asarray([3, 3, 2, 3]),
                             jnp.asarray([1, 3, 0, 3]), jnp.asarray([True, True, True, False]))
     rates = np.asarray([2 / 3, 1 / 2, 1.0])   # position 0: 2 of 3, 1: 1 of 2 reached, 2: 1 of 1
     kept = (1 - adaptive.EMA_WEIGHT) ** (np.asarray([3, 2, 1]) / adaptive.FULL_STEP_ROWS)   # fewer rows, less weight
@@ -213,7 +213,7 @@ def test_a_rows_verdict_weighs_the_same_in_one_step_or_spread_over_several():
     state = _adapt([0.5] * 3, [1.0] * 4)
 
     def step(s, rows):   # every row's first draft accepted, its second rejected
-        return adaptive.record(s, jnp.asarray(0), 3, jnp.asarray(rows), jnp.full((rows,), 3),
+        return adaptive.record(s, jnp.asarray(1), 3, jnp.asarray(rows), jnp.full((rows,), 3),
                                jnp.ones((rows,), jnp.int32), jnp.ones((rows,), bool))
 
     spread = state
@@ -232,7 +232,7 @@ def test_the_first_verdicts_replace_the_optimistic_start_as_an_average(rows):
     one step, and a short call does not spend its first segments on drafts it has already seen fail."""
     state = adaptive.init_adapt(K, 8, adaptive.policy_inputs([1.0] * 4))
     for _ in range(8 // rows):
-        state = adaptive.record(state, jnp.asarray(0), 3, jnp.asarray(rows), jnp.full((rows,), 3),
+        state = adaptive.record(state, jnp.asarray(1), 3, jnp.asarray(rows), jnp.full((rows,), 3),
                                 jnp.zeros((rows,), jnp.int32), jnp.ones((rows,), bool))
     average = adaptive.OPTIMISTIC_VERDICTS / (adaptive.OPTIMISTIC_VERDICTS + 8)
     np.testing.assert_allclose(state.acceptance, [average, 1.0, 1.0], rtol=1e-6)

@@ -56,18 +56,21 @@ class AdaptState:
     verdicts: jax.Array      # f32 [k_max]: verdicts recorded at each position, OPTIMISTIC_VERDICTS at the start
     plain_run: jax.Array     # i32 []: plain (k = 0) iterations since the last speculative one
     probe_gap: jax.Array     # i32 []: plain iterations in a row after which the largest tier runs again
-    per_step: jax.Array      # i32 [S, 2]: iteration i's k and live rows, one array so that a step writes once
+    # i32 [S + 1, 2]: row i + 1 holds iteration i's k and live rows (row 0 unused), one array so that a step
+    # writes once, at the loop's count after it: the count before it, read beside the count's in-place update,
+    # made XLA copy it every step.
+    per_step: jax.Array
     inputs: PolicyInputs
 
     @property
     def k_per_step(self) -> jax.Array:
         """i32 [S]: iteration i drafted k_per_step[i] tokens per row."""
-        return self.per_step[:, 0]
+        return self.per_step[1:, 0]
 
     @property
     def live_per_step(self) -> jax.Array:
         """i32 [S]: rows running at iteration i."""
-        return self.per_step[:, 1]
+        return self.per_step[1:, 1]
 
 
 def policy_inputs(step_costs, forced_tier: int = -1) -> PolicyInputs:
@@ -78,7 +81,7 @@ def init_adapt(k_max: int, max_steps: int, inputs: PolicyInputs) -> AdaptState:
     """Optimistic rates at first (every draft accepted), so the loop speculates and measures before it judges."""
     return AdaptState(acceptance=jnp.ones((k_max,), jnp.float32),
                       verdicts=jnp.full((k_max,), OPTIMISTIC_VERDICTS, jnp.float32), plain_run=jnp.zeros((), jnp.int32),
-                      probe_gap=jnp.asarray(PROBE_EVERY, jnp.int32), per_step=jnp.zeros((max_steps, 2), jnp.int32),
+                      probe_gap=jnp.asarray(PROBE_EVERY, jnp.int32), per_step=jnp.zeros((max_steps + 1, 2), jnp.int32),
                       inputs=inputs)
 
 
@@ -128,15 +131,15 @@ def step_weight(segment_steps: jax.Array) -> jax.Array:
     return 1 - (1 - EMA_WEIGHT) ** (SEGMENT / segment_steps)
 
 
-def record(adapt: AdaptState, step: jax.Array, k: int, live: jax.Array, offered: jax.Array,
+def record(adapt: AdaptState, steps_run: jax.Array, k: int, live: jax.Array, offered: jax.Array,
            accepted: jax.Array, active: jax.Array, segment_steps: jax.Array | int = SEGMENT) -> AdaptState:
-    """The statistics after iteration `step` ran tier k (static: a plain step has no verdicts to record):
-    offered [B] the positions each row's verify pass had room for (a position without a draft counts as
-    rejected), accepted [B] the drafts it accepted, active [B] the rows that were running, segment_steps the
-    length of the segment it belongs to (step_weight)."""
+    """The statistics after an iteration ran tier k (static: a plain step has no verdicts to record): steps_run
+    the iterations run so far, this one included, offered [B] the positions each row's verify pass had room for
+    (a position without a draft counts as rejected), accepted [B] the drafts it accepted, active [B] the rows
+    that were running, segment_steps the length of the segment it belongs to (step_weight)."""
     if k > 0:
         adapt = _with_verdicts(adapt, offered, accepted, active, segment_steps)
-    slot = jnp.minimum(step, adapt.per_step.shape[0] - 1)
+    slot = jnp.minimum(steps_run, adapt.per_step.shape[0] - 1)
     return dataclasses.replace(
         adapt, plain_run=adapt.plain_run + 1 if k == 0 else jnp.zeros_like(adapt.plain_run),
         per_step=jax.lax.dynamic_update_slice(adapt.per_step, jnp.stack([jnp.asarray(k, jnp.int32), live])[None],

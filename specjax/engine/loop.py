@@ -217,12 +217,11 @@ def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
             # that found no draft there (an n-gram miss) gained nothing from them, so they count as rejected.
             offered = jnp.clip(_budget(state, rows, spec) - 1, 0, k)
             state = step(state)
-            adapt = record(state.adapt, state.steps - 1, k, jnp.sum(active).astype(jnp.int32), offered,
+            adapt = record(state.adapt, state.steps, k, jnp.sum(active).astype(jnp.int32), offered,
                            state.counters.num_accepted - before.num_accepted, active, segment_steps)
             return dataclasses.replace(state, adapt=adapt)
 
-        def run(state: LoopState, chosen: jax.Array, steps: jax.Array) -> LoopState:
-            end = state.steps + steps
+        def run(state: LoopState, chosen: jax.Array, steps: jax.Array, end: jax.Array) -> LoopState:
             return jax.lax.while_loop(lambda s: chosen & running(s) & (s.steps < end),
                                       lambda s: recorded_step(s, steps), state)
 
@@ -236,8 +235,9 @@ def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
         drafting = jnp.asarray(policy.tiers)[tier] > 0
         carry = proposer.catch_up(draft_state, state.proposer, state.tokens, state.lengths, rows, drafting)
         state = dataclasses.replace(state, adapt=adapt, proposer=carry)
+        end = state.steps + steps   # once: every tier's loop would otherwise add it again
         for index, run in enumerate(segments):
-            state = run(state, tier == index, steps)
+            state = run(state, tier == index, steps, end)
         return state
 
     return body
