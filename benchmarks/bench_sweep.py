@@ -274,8 +274,9 @@ def main(argv=None) -> None:
     draft = drafter(args.drafter, target_cfg, state, draft_cfg, args.smoke)
     reqs = requests(args.num, tuple(int(x) for x in args.prompt_len.split(":")),
                     tuple(int(x) for x in args.max_tokens.split(":")), target_cfg.vocab_size)
+    limit = "" if args.per_slot is None else f" (at most {args.per_slot} per slot: the first {args.per_slot} x slots)"
     print(f"{jax.devices()[0].device_kind}: {args.shape} + {draft.name}, {len(reqs)} requests, "
-          f"{sum(r.params.max_tokens for r in reqs)} tokens", flush=True)
+          f"{sum(r.params.max_tokens for r in reqs)} tokens{limit}", flush=True)
     modes, runners = args.modes.split(","), args.runners.split(",")
     sweep = Sweep(target_cfg, graph, state, draft, reqs, args.per_slot, args.shape, args.k, runners, args.profile,
                   args.deadline)
