@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from specjax.kernels import grouped_matmul_triton as grouped_matmul_triton_module
 from specjax.kernels.grouped_matmul import grouped_matmul
 from specjax.kernels.grouped_matmul_reference import grouped_matmul_reference
-from specjax.kernels.grouped_matmul_triton import (BLOCK_M, GroupedMatmulConfig, busy_tiles, default_k_splits,
+from specjax.kernels.grouped_matmul_triton import (BLOCK_M, GroupedMatmulConfig, default_k_splits,
                                                    default_pairs, f16_rows, grouped_matmul_triton, max_tiles,
-                                                   needs_pairs, tile_table)
+                                                   needs_pairs, planned_tiles, tile_table)
 from specjax.kernels.policy import KernelPolicy, has_kernels
 from specjax.kernels.projection_reference import rms_norm
 from specjax.models.fp8 import dequantize_blocks, quantize_blocks
@@ -102,13 +102,11 @@ def test_any_split_of_k_gives_the_product(k_splits):
     assert relative_error(got, oracle(x, w, SIZES, scale, block)) < 1e-5
 
 
-@pytest.mark.parametrize("rows, groups, one_per_row", [(1, 1, False), (8, 256, True), (64, 256, False),
-                                                       (64, 1, False), (4096, 256, False)])
+@pytest.mark.parametrize("groups", [1, 8, 64, 256])
 @pytest.mark.parametrize("column_blocks, k_chunks", [(16, 56), (56, 16), (4, 56), (192, 12), (1, 1)])
-def test_k_splits_fill_the_target_programs_without_passing_them(rows, groups, one_per_row, column_blocks,
-                                                                k_chunks):
-    tiles = busy_tiles(rows, groups, one_per_row)
-    assert tiles == (rows if one_per_row else max(-(-rows // BLOCK_M), min(rows, groups)))
+def test_k_splits_fill_the_target_programs_without_passing_them(groups, column_blocks, k_chunks):
+    tiles = planned_tiles(groups)
+    assert tiles == (1 if groups == 1 else min(groups, grouped_matmul_triton_module.PLANNED_EXPERT_TILES))
     splits = default_k_splits(column_blocks, k_chunks, tiles)
     per_split = -(-k_chunks // splits)
     assert 1 <= splits <= k_chunks and -(-k_chunks // per_split) == splits   # whole chunks, none idle
@@ -116,6 +114,21 @@ def test_k_splits_fill_the_target_programs_without_passing_them(rows, groups, on
     assert tiles * column_blocks * splits <= max(programs, tiles * column_blocks)
     if splits < k_chunks:   # one more split would not have passed the target by much
         assert tiles * column_blocks * (splits + 1) > programs // 2
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_row_rounds_the_same_whatever_the_row_count_splits_k_into(dtype):
+    """K in 32 chunks over a stack of 24 groups: one row alone (a decode step's tile) and the same row among 24
+    (a verify pass's 24 tiles) split K alike, so its float32 sum associates alike. A split count that followed the
+    busy tiles (32 splits alone, 16 among 24) changed the float32 result in its last bits."""
+    groups, k, n, block = 24, 512, 32, (16, 16)
+    w, scale = make_stack(11, groups, k, n, jnp.float32, block)
+    x = make_rows(12, groups, k, dtype)
+    run = jax.jit(lambda x, sizes: grouped_matmul(x, w, sizes, scale=scale, block=block, kernels=INTERPRET))
+    batch = run(x, jnp.ones((groups,), jnp.int32))
+    for row in (0, 13):
+        alone = run(x[row:row + 1], jnp.asarray(np.arange(groups) == row, jnp.int32))
+        np.testing.assert_array_equal(np.asarray(alone[0], np.float32), np.asarray(batch[row], np.float32))
 
 
 _jitted_tile_table = jax.jit(tile_table, static_argnums=1)

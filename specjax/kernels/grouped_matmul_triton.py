@@ -5,10 +5,12 @@ sorted by group; a table (computed beside the call) cuts each group's rows into 
 per (tile, block of output columns, split of K) streams its part of its group's matrix through a K loop. So each
 selected matrix is read once per tile of its rows, and an unselected one never (XLA's ragged_dot on GPU reads every
 group).
-- Up to MAX_SPLIT_ROWS rows (decode and verify passes: 512 tokens of top-8 routing), K is split so that a single
-  tile already makes enough programs to keep every SM pulling from memory (a handful of experts, or one dense
-  matrix, at decode); the fp32 partial products are summed in split order beside the call. Below that bound the
-  split count depends on the matrix shape alone, not on the row count.
+- Up to MAX_SPLIT_ROWS rows (decode and verify passes: 512 tokens of top-8 routing), K is split so that the tiles
+  of a decode step (a token's experts, or one dense matrix's one tile) already make enough programs to keep every
+  SM pulling from memory; the fp32 partial products are summed in split order beside the call. Below that bound
+  the split count depends on the stack's shape alone, never on the row count: splits change how a row's sum
+  associates, so a count that followed the rows would round a token differently in a decode step and in a
+  verify pass.
 - FP8 matrices stay FP8 in memory: a K chunk is one 128-row scale block, converted to the activations' dtype in
   registers; its fp32 partial product is multiplied by the block's column scales and added.
 - A 1-byte stack with an even column count is read as uint16 pairs of adjacent columns: the low byte is the even
@@ -50,6 +52,10 @@ BLOCK_M = 16
 # the tiles themselves are enough and K is not split (its partial products would outgrow the output).
 _TARGET_PROGRAMS = 4 * 132
 MAX_SPLIT_ROWS = 4096
+# The row tiles K's split is planned for in a stack of experts: about a decode step's (one token's top-8 slots
+# to a few tokens'). The H100 sweep's best splits for DeepSeek-V3's experts at 8 and 64 slots follow from it
+# (routed gate / up 2, down 1: benchmarks/RESULTS.md, "The grouped kernel's launch parameters with float16 rows").
+PLANNED_EXPERT_TILES = 16
 # The widest block of a row f16_rows loads at once.
 F16_ROWS_BLOCK = 32768
 
@@ -91,17 +97,18 @@ def needs_pairs(w: jax.Array) -> bool:
 
 
 def default_k_splits(column_blocks: int, k_chunks: int, tiles: int = 1) -> int:
-    """Splits of K for `tiles` busy row tiles' programs to come near _TARGET_PROGRAMS without passing it (more,
+    """Splits of K for `tiles` row tiles' programs to come near _TARGET_PROGRAMS without passing it (more,
     shorter programs lost on an H100: RESULTS.md, "The grouped kernel's launch parameters with float16 rows"),
     whole chunks each, at most one split per chunk."""
     wanted = min(k_chunks, max(1, _TARGET_PROGRAMS // (tiles * column_blocks)))
     return -(-k_chunks // -(-k_chunks // wanted))
 
 
-def busy_tiles(rows: int, groups: int, one_per_row: bool) -> int:
-    """The row tiles a call is expected to fill: one per row for rows in any order; for sorted rows their whole
-    tiles, or one per group with rows where groups outnumber those (a few rows over many experts)."""
-    return rows if one_per_row else max(-(-rows // BLOCK_M), min(groups, rows))
+def planned_tiles(groups: int) -> int:
+    """The row tiles K's split is planned for, from the stack alone (see the module's notes): one for a single
+    matrix (a decode step's rows fit one tile), PLANNED_EXPERT_TILES for a stack of experts (or its group count,
+    when smaller)."""
+    return 1 if groups == 1 else min(groups, PLANNED_EXPERT_TILES)
 
 
 def tile_table(group_sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -173,7 +180,7 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array | N
     block_k = block[0] if scale is not None else config.block_k
     column_blocks, k_chunks = pl.cdiv(stored.shape[2], block_n), pl.cdiv(in_features, block_k)
     splits = 1 if rows > MAX_SPLIT_ROWS else config.k_splits or default_k_splits(
-        column_blocks, k_chunks, busy_tiles(rows, groups, row_groups is not None))
+        column_blocks, k_chunks, planned_tiles(groups))
     chunks_per_split = pl.cdiv(k_chunks, splits)
     splits = pl.cdiv(k_chunks, chunks_per_split)
     tiles = tile_table(group_sizes, rows) if row_groups is None else row_tiles(row_groups.reshape(-1))
