@@ -622,23 +622,66 @@ def test_fp8_experts_through_the_grouped_kernel_match_the_dequantized_gathered_f
         assert relative_error(got, np.asarray(want, np.float64)) < 1e-6
 
 
-def test_a_tokens_experts_alone_equal_its_row_among_other_tokens():
+def fp8_shared_expert(rng, H: int, I: int, block: tuple[int, int]) -> dict:
+    """One random FP8 SwiGLU shared expert (ws_gate, ws_up, ws_down and their scales) of intermediate size I."""
+    return {name.replace("we_", "ws_"): leaf[0] for name, leaf in fp8_experts(rng, 1, H, I, block).items()}
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_tokens_experts_alone_equal_its_row_among_other_tokens(shared):
     """One token's slots go to the grouped kernel in their own order, several tokens' sorted by expert; a token's
-    routed output is the same bits either way (a decode step and a verify pass agree: exact greedy speculation),
-    bf16 rows meeting the FP8 stacks as float16."""
+    routed output (with a shared expert of one expert's shape: joined to the routed launches) is the same bits
+    either way (a decode step and a verify pass agree: exact greedy speculation), bf16 rows meeting the FP8
+    stacks as float16."""
     E, H, I, block = 8, 256, 128, (128, 128)
     rng = np.random.default_rng(9)
     experts = fp8_experts(rng, E, H, I, block)
+    weights_shared = fp8_shared_expert(rng, H, I, block) if shared else None
     x = jnp.asarray(rng.standard_normal((4, H)), jnp.bfloat16)
     ids = jnp.asarray(np.stack([rng.permutation(E)[:3] for _ in range(4)]), jnp.int32)
     weights = jnp.asarray(rng.uniform(0.1, 1.0, (4, 3)), jnp.float32)
     run = jax.jit(lambda x, ids, weights: moe.routed_experts(x, ids, weights, experts, block=block,
-                                                             kernels=KernelPolicy(interpret=True)))
+                                                             kernels=KernelPolicy(interpret=True),
+                                                             shared=weights_shared))
     together = np.asarray(run(x, ids, weights), np.float32)
     assert "stablehlo.sort" not in run.lower(x[:1], ids[:1], weights[:1]).as_text()   # slots in their own order
     for token in range(4):
         alone = run(x[token:token + 1], ids[token:token + 1], weights[token:token + 1])
         np.testing.assert_array_equal(np.asarray(alone, np.float32)[0], together[token])
+
+
+def grouped_launches(fn, *args) -> int:
+    """The grouped matmul kernel's pallas_calls in fn's jaxpr, nested jaxprs included."""
+    def count(jaxpr) -> int:
+        own = sum(eqn.primitive.name == "pallas_call" and eqn.params["name"] == "specjax_grouped_matmul"
+                  for eqn in jaxpr.eqns)
+        return own + sum(count(sub) for sub in jax.extend.core.subjaxprs(jaxpr))
+    return count(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_a_shared_expert_of_one_experts_shape_joins_the_routed_launches(tokens):
+    """FP8 routed experts and a shared expert of one expert's shape under a kernel policy: three grouped matmul
+    launches in all (gate, up, down; six with the shared expert apart), and the routed experts' gathered form
+    plus the shared MLP over dequantized weights, to float32 rounding, at decode (slots in their own order) and
+    at verify sizes (sorted by expert)."""
+    E, H, I, block = 8, 256, 128, (128, 128)
+    rng = np.random.default_rng(11)
+    experts, shared = fp8_experts(rng, E, H, I, block), fp8_shared_expert(rng, H, I, block)
+    x = jnp.asarray(rng.standard_normal((tokens, H)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.permutation(E)[:3] for _ in range(tokens)]), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 3)), jnp.float32)
+    kernels = KernelPolicy(interpret=True)
+    with jax.default_matmul_precision("highest"):
+        want = (moe.routed_experts(x, ids, weights, experts, form="gathered", block=block)
+                + moe.swiglu_mlp(x, shared, "ws_", block))
+    got = moe.routed_experts(x, ids, weights, experts, block=block, kernels=kernels, shared=shared)
+    assert relative_error(got, np.asarray(want, np.float64)) < 1e-6
+    wider = fp8_shared_expert(rng, H, 2 * I, block)   # two experts' width: its own MLP
+    counts = [grouped_launches(lambda x, s=s: moe.routed_experts(x, ids, weights, experts, block=block,
+                                                                 kernels=kernels, shared=s), x)
+              for s in (shared, wider)]
+    assert counts == [3, 6]
 
 
 def test_random_weights_larger_than_a_slice_are_drawn_in_slices(monkeypatch):

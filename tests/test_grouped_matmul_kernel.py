@@ -198,6 +198,33 @@ def test_a_row_with_several_groups_equals_its_copies_one_group_each(block):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("block", [(32, 16), None])
+def test_stacks_joined_in_one_call_equal_their_concatenation(block):
+    """A tuple of stacks (routed experts and a shared expert) is one numbering of groups: each row gets the bits
+    the kernel gives it over the concatenated stack, for rows sorted by group and for one token's groups in slot
+    order (the shared expert its last slot), in the kernel and in the reference."""
+    k, n = 96, 64
+    routed, routed_scale = make_stack(5, 4, k, n, jnp.bfloat16, block)
+    shared, shared_scale = make_stack(9, 1, k, n, jnp.bfloat16, block)
+    joined = jnp.concatenate([routed, shared])
+    joined_scale = None if block is None else jnp.concatenate([routed_scale, shared_scale])
+    stacks, scales = (routed, shared), None if block is None else (routed_scale, shared_scale)
+    x = make_rows(7, 9, k, jnp.bfloat16)
+    sizes = jnp.asarray([2, 0, 3, 1, 3], jnp.int32)
+    token = jnp.asarray([[3, 0, 4]], jnp.int32)
+    token_outputs = []
+    for kernels in (INTERPRET, KernelPolicy(impl="reference")):
+        want = grouped_matmul(x, joined, sizes, scale=joined_scale, block=block, kernels=kernels)
+        got = grouped_matmul(x, stacks, sizes, scale=scales, block=block, kernels=kernels)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        want = grouped_matmul(x[:1], joined, row_groups=token, scale=joined_scale, block=block, kernels=kernels)
+        got = grouped_matmul(x[:1], stacks, row_groups=token, scale=scales, block=block, kernels=kernels)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        token_outputs.append(got)
+    kernel, reference = token_outputs
+    assert relative_error(kernel, np.asarray(jnp.asarray(reference, jnp.float32), np.float64)) < 1e-2
+
+
 @pytest.mark.parametrize("pairs", [True, False])
 def test_an_fp8_stack_reads_back_column_by_column(pairs):
     """Read as uint16 pairs or as it is, a 1-byte stack keeps every column in place: a single-expert, single-block

@@ -11,8 +11,8 @@ from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.projection_reference import rms_norm
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = None, *,
-                   row_groups: jax.Array | None = None, scale: jax.Array | None = None,
+def grouped_matmul(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], group_sizes: jax.Array | None = None, *,
+                   row_groups: jax.Array | None = None, scale: jax.Array | tuple[jax.Array, ...] | None = None,
                    block: tuple[int, int] | None = None, kernels: KernelPolicy = KernelPolicy(),
                    config: GroupedMatmulConfig | None = None,
                    norm: tuple[jax.Array, float] | None = None) -> jax.Array:
@@ -21,10 +21,15 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = N
     kernel tile per row: for rows of distinct groups), or row_groups [M, R] naming R groups for each row (out
     [M * R, N], its row m * R + r x[m] @ w[row_groups[m, r]]: one token's experts from its one row); with `scale`
     [G, ceil(K/b0), ceil(N/b1)] (block b = `block`) w holds FP8 codes and each block's partial product is scaled.
-    norm (weight [K], eps): rms_norm(x, weight, eps) multiplied instead (inside the kernel's row scaling where it
-    runs). Output in the (normalised) rows' dtype."""
-    _check_inputs(x, w, group_sizes, row_groups, scale, block, norm)
-    if kernels.use_grouped_matmul_kernel(fp8=w.dtype.itemsize == 1, rows=x.shape[0], groups=w.shape[0]):
+    w (and scale) may be a tuple of stacks alike but for their group counts, numbered on as one concatenation
+    (the kernel reads each where it lies; elsewhere they are concatenated). norm (weight [K], eps):
+    rms_norm(x, weight, eps) multiplied instead (inside the kernel's row scaling where it runs). Output in the
+    (normalised) rows' dtype."""
+    stacks = w if isinstance(w, tuple) else (w,)
+    scales = scale if isinstance(scale, tuple) else (scale,) * len(stacks)
+    _check_inputs(x, stacks, group_sizes, row_groups, scales, block, norm)
+    groups = sum(stack.shape[0] for stack in stacks)
+    if kernels.use_grouped_matmul_kernel(fp8=stacks[0].dtype.itemsize == 1, rows=x.shape[0], groups=groups):
         out = grouped_matmul_triton(x, w, group_sizes, row_groups=row_groups, scale=scale, block=block,
                                     config=config, fp8_rows=kernels.fp8_activations, norm=norm,
                                     interpret=kernels.interpret)
@@ -32,19 +37,30 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = N
             return out
         return jnp.where((jnp.arange(x.shape[0]) < group_sizes.sum())[:, None], out, 0)
     x = x if norm is None else rms_norm(x, *norm)
-    return grouped_matmul_reference(x, w, group_sizes, row_groups=row_groups, scale=scale, block=block)
+    joined = jnp.concatenate(stacks) if len(stacks) > 1 else stacks[0]
+    joined_scale = jnp.concatenate(scales) if len(stacks) > 1 and scales[0] is not None else scales[0]
+    return grouped_matmul_reference(x, joined, group_sizes, row_groups=row_groups, scale=joined_scale, block=block)
 
 
-def _check_inputs(x, w, group_sizes, row_groups, scale, block, norm) -> None:
+def _check_inputs(x, stacks, group_sizes, row_groups, scales, block, norm) -> None:
     """Raise a clear error for inconsistent inputs before anything is compiled."""
-    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"grouped_matmul: x must be [M, K] and w [G, K, N], got x {x.shape} and w {w.shape}")
+    w = stacks[0]
+    if x.ndim != 2 or any(stack.ndim != 3 for stack in stacks) or x.shape[1] != w.shape[1]:
+        raise ValueError(f"grouped_matmul: x must be [M, K] and w [G, K, N], got x {x.shape} and w "
+                         f"{[stack.shape for stack in stacks] if len(stacks) > 1 else w.shape}")
+    for stack in stacks[1:]:
+        if stack.shape[1:] != w.shape[1:] or stack.dtype != w.dtype:
+            raise ValueError(f"grouped_matmul: stacks joined in one call must share their [K, N] and dtype, got "
+                             f"{w.dtype}{list(w.shape)} and {stack.dtype}{list(stack.shape)}")
+    if len(scales) != len(stacks) or len({s is None for s in scales}) > 1:
+        raise ValueError("grouped_matmul: pass one scale per stack (a tuple as long as w's), or none")
     if norm is not None and norm[0].shape != (x.shape[1],):
         raise ValueError(f"grouped_matmul: norm's weight must be [K={x.shape[1]}], got {list(norm[0].shape)}")
     if (group_sizes is None) == (row_groups is None):
         raise ValueError("grouped_matmul: pass exactly one of group_sizes (rows sorted by group) and row_groups "
                          "(each row's group)")
-    groups, name, (axis, length) = ((group_sizes, "group_sizes", ("G", w.shape[0])) if row_groups is None
+    total_groups = sum(stack.shape[0] for stack in stacks)
+    groups, name, (axis, length) = ((group_sizes, "group_sizes", ("G", total_groups)) if row_groups is None
                                     else (row_groups, "row_groups", ("M", x.shape[0])))
     ranks = (1,) if row_groups is None else (1, 2)
     if groups.shape[:1] != (length,) or groups.ndim not in ranks or not jnp.issubdtype(groups.dtype, jnp.integer):
@@ -52,13 +68,14 @@ def _check_inputs(x, w, group_sizes, row_groups, scale, block, norm) -> None:
         raise ValueError(f"grouped_matmul: {name} must be integers {shapes}, got {groups.dtype}{list(groups.shape)}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"grouped_matmul: x must be floating point, got {x.dtype}")
-    if (scale is None) != (block is None):
+    if (scales[0] is None) != (block is None):
         raise ValueError("grouped_matmul: pass scale= and block= together (an FP8 stack's block scales and shape)")
     if w.dtype.itemsize == 1:
-        if scale is None:
+        if scales[0] is None:
             raise ValueError("grouped_matmul: a 1-byte (FP8) stack needs its block scales: pass scale= and block=")
-    if scale is not None:
-        expected = (w.shape[0], -(-w.shape[1] // block[0]), -(-w.shape[2] // block[1]))
-        if scale.shape != expected:
-            raise ValueError(f"grouped_matmul: scale must be {list(expected)} for w {list(w.shape)} in blocks of "
-                             f"{list(block)}, got {list(scale.shape)}")
+    for stack, scale in zip(stacks, scales):
+        if scale is not None:
+            expected = (stack.shape[0], -(-stack.shape[1] // block[0]), -(-stack.shape[2] // block[1]))
+            if scale.shape != expected:
+                raise ValueError(f"grouped_matmul: scale must be {list(expected)} for w {list(stack.shape)} in "
+                                 f"blocks of {list(block)}, got {list(scale.shape)}")

@@ -149,8 +149,9 @@ def max_tiles(rows: int, groups: int) -> int:
     return -(-rows // BLOCK_M) + min(groups, rows)
 
 
-def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = None, *,
-                          row_groups: jax.Array | None = None, scale: jax.Array | None = None,
+def grouped_matmul_triton(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], group_sizes: jax.Array | None = None,
+                          *, row_groups: jax.Array | None = None,
+                          scale: jax.Array | tuple[jax.Array, ...] | None = None,
                           block: tuple[int, int] | None = None, config: GroupedMatmulConfig | None = None,
                           fp8_rows: bool = False, norm: tuple[jax.Array, float] | None = None,
                           interpret: bool = False) -> jax.Array:
@@ -158,10 +159,16 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array | N
     the dispatcher zeroes them). row_groups instead of group_sizes: one tile per row, no table to compute, each
     row's matrix read once per row (for rows of distinct groups, such as one token's experts, the same bytes);
     row_groups [M, R]: R output rows (tiles) per row of x, which each tile reads itself (no repeated copy of x).
+    w (and scale) a tuple of stacks of one shape but the group count: their groups numbered on as if they were
+    concatenated (a MoE layer's routed experts and its shared expert in one launch), each read where it lies.
     fp8_rows: a 1-byte stack multiplies rows quantized to e4m3 per K chunk.
     norm (weight [K], eps): the rows RMS-normalised first (projection_reference.rms_norm), inside f16_rows'
     launch where the rows go as float16."""
-    groups, _, out_features = w.shape
+    stacks = w if isinstance(w, tuple) else (w,)
+    scales = scale if isinstance(scale, tuple) else (scale,) * len(stacks)
+    w, scale = stacks[0], scales[0]
+    starts = tuple(int(start) for start in np.cumsum([0] + [stack.shape[0] for stack in stacks[:-1]]))
+    groups, out_features = sum(stack.shape[0] for stack in stacks), w.shape[2]
     config = config or default_config(groups, w.dtype.itemsize)
     fp8_rows = fp8_rows and w.dtype.itemsize == 1
     out_dtype = x.dtype if norm is None else jnp.result_type(x.dtype, norm[0].dtype)   # the multiplied rows'
@@ -174,22 +181,22 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array, group_sizes: jax.Array | N
     unscale = None
     if as_f16:
         x, unscale = f16_rows(x, interpret, norm)
-    pairs = _read_as_pairs(w, config)
-    stored = _as_pairs(w) if pairs else w
+    pairs = all(_read_as_pairs(stack, config) for stack in stacks)
+    stored = tuple(_as_pairs(stack) if pairs else stack for stack in stacks)
     block_n = config.block_n // 2 if pairs else config.block_n
     block_k = block[0] if scale is not None else config.block_k
-    column_blocks, k_chunks = pl.cdiv(stored.shape[2], block_n), pl.cdiv(in_features, block_k)
+    column_blocks, k_chunks = pl.cdiv(stored[0].shape[2], block_n), pl.cdiv(in_features, block_k)
     splits = 1 if rows > MAX_SPLIT_ROWS else config.k_splits or default_k_splits(
         column_blocks, k_chunks, planned_tiles(groups))
     chunks_per_split = pl.cdiv(k_chunks, splits)
     splits = pl.cdiv(k_chunks, chunks_per_split)
     tiles = tile_table(group_sizes, rows) if row_groups is None else row_tiles(row_groups.reshape(-1))
-    args = [*tiles, x, stored] + [a for a in (scale, unscale) if a is not None]
+    args = [*tiles, x, *stored] + [a for a in (*scales, unscale) if a is not None]
     kernel = functools.partial(
-        _grouped_kernel, pairs=pairs, weight_dtype=w.dtype, has_scale=scale is not None,
+        _grouped_kernel, starts=starts, pairs=pairs, weight_dtype=w.dtype, has_scale=scale is not None,
         has_unscale=unscale is not None, in_features=in_features, out_features=out_features, block_k=block_k,
         block_n=block_n, chunks_per_split=chunks_per_split, repeat=repeat,
-        whole_tiles=in_features % block_k == 0 and stored.shape[2] % block_n == 0, fp8_rows=fp8_rows,
+        whole_tiles=in_features % block_k == 0 and stored[0].shape[2] % block_n == 0, fp8_rows=fp8_rows,
         scale_block_n=block[1] if scale is not None else 1, precision=precision)
     partials = pl.pallas_call(
         kernel,
@@ -308,38 +315,39 @@ def _as_pairs(w: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(as_bytes.reshape(*w.shape[:2], -1, 2), jnp.uint16)
 
 
-def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, *refs, pairs: bool, weight_dtype,
-                    has_scale: bool, has_unscale: bool, in_features: int, out_features: int, block_k: int,
-                    block_n: int, chunks_per_split: int, repeat: int, whole_tiles: bool, fp8_rows: bool,
-                    scale_block_n: int, precision: lax.Precision) -> None:
+def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, *refs, starts: tuple[int, ...], pairs: bool,
+                    weight_dtype, has_scale: bool, has_unscale: bool, in_features: int, out_features: int,
+                    block_k: int, block_n: int, chunks_per_split: int, repeat: int, whole_tiles: bool,
+                    fp8_rows: bool, scale_block_n: int, precision: lax.Precision) -> None:
     """One (tile, column block, K split): nothing for an empty tile; else the K loop over the split's chunks of
     dots (one per column phase: even and odd columns of a pair view), scaled per block, and one masked store per
     phase into the split's partial output (times each row's unscale where the rows came as scaled float16).
+    `refs`: the stacks (the first group of each at `starts`), their scales (has_scale), the unscale (has_unscale),
+    the output; a tile's group picks its stack, whose loop alone runs.
     Where the blocks tile the stack whole (`whole_tiles`, every DeepSeek shape), weight and scale loads go
     unmasked: no per-element predicates in the loop that streams the bytes. Output row r reads x's row
     r // repeat (row_groups [M, R]: each of x's rows serves R output rows)."""
-    scale_ref = refs[0] if has_scale else None
+    w_refs = refs[:len(starts)]
+    scale_refs = refs[len(starts):2 * len(starts)] if has_scale else (None,) * len(starts)
     unscale_ref = refs[-2] if has_unscale else None
     out_ref = refs[-1]
     tile, split = pl.program_id(0), pl.program_id(2)
     group, first, end = group_ref[tile], first_ref[tile], end_ref[tile]
     stored_col = pl.program_id(1) * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
-    stored_ok = stored_col < w_ref.shape[2]
+    stored_ok = stored_col < w_refs[0].shape[2]
     phases = 2 if pairs else 1
     out_cols = [stored_col * phases + phase for phase in range(phases)]
+    row = first + lax.broadcasted_iota(jnp.int32, (BLOCK_M,), 0)
+    row_ok = row < end
+    x_row = row if repeat == 1 else lax.div(row, repeat)
 
-    @pl.when(first < end)
-    def _():
-        row = first + lax.broadcasted_iota(jnp.int32, (BLOCK_M,), 0)
-        row_ok = row < end
-        x_row = row if repeat == 1 else lax.div(row, repeat)
-
+    def run(w_ref, scale_ref, local):
         def accumulate(chunk, totals):
             ks = chunk * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
             k_ok = ks < in_features
             xs = plt.load(x_ref.at[x_row[:, None], ks[None, :]], mask=row_ok[:, None] & k_ok[None, :],
                           other=0.0)
-            raw = plt.load(w_ref.at[group, ks[:, None], stored_col[None, :]],
+            raw = plt.load(w_ref.at[local, ks[:, None], stored_col[None, :]],
                            **_bounds(whole_tiles, k_ok[:, None] & stored_ok[None, :], 0 if pairs else 0.0))
             tiles = _unpair(raw, weight_dtype) if pairs else (raw,)
             lhs, row_scale = _quantized(xs, weight_dtype) if fp8_rows else (xs, None)
@@ -349,7 +357,7 @@ def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, *refs, pairs: b
                 if row_scale is not None:
                     part = part * row_scale[:, None]
                 if has_scale:
-                    part = part * plt.load(scale_ref.at[group, chunk, cols // scale_block_n],
+                    part = part * plt.load(scale_ref.at[local, chunk, cols // scale_block_n],
                                            **_bounds(whole_tiles, stored_ok, 0.0))[None, :]
                 updated.append(total + part)
             return tuple(updated)
@@ -364,6 +372,14 @@ def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, w_ref, *refs, pairs: b
         for total, cols in zip(totals, out_cols):
             plt.store(out_ref.at[split, row[:, None], cols[None, :]], total.astype(out_ref.dtype),
                       mask=row_ok[:, None] & (cols < out_features)[None, :])
+
+    if len(starts) == 1:
+        pl.when(first < end)(lambda: run(w_refs[0], scale_refs[0], group))
+        return
+    bounds = [*starts[1:], None]
+    for w_ref, scale_ref, lo, hi in zip(w_refs, scale_refs, starts, bounds):
+        mine = (first < end) & (group >= lo) & (True if hi is None else group < hi)
+        pl.when(mine)(functools.partial(run, w_ref, scale_ref, group - lo))
 
 
 def _bounds(whole_tiles: bool, mask: jax.Array, other) -> dict:

@@ -20,7 +20,9 @@ k of E). Where the kernel policy runs kernels, "grouped" is the Pallas grouped m
 which reads each selected expert once per 16 of its slots, FP8 weights as they are stored, and "auto" takes it for
 FP8 stacks at every size and for plain ones from KernelPolicy.grouped_matmul_min_plain_rows slots; elsewhere
 "grouped" is `jax.lax.ragged_dot` over dequantized stacks (on CPU a dense masked matmul over all groups) and "auto"
-takes "gathered" while N*k <= E and "grouped" beyond.
+takes "gathered" while N*k <= E and "grouped" beyond. A shared expert of one routed expert's shape (DeepSeek-V3's)
+runs in the kernel's launches as one more expert of every token, weight 1; other shared experts (V2-Lite's two,
+or off the kernel) are an MLP of their own.
 """
 from __future__ import annotations
 
@@ -52,9 +54,12 @@ def route(x: jax.Array, w_router: jax.Array, router_bias: jax.Array | None, rout
 
 def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: Mapping[str, jax.Array], *,
                    form: str = "auto", block: tuple[int, int] | None = None,
-                   kernels: KernelPolicy = KernelPolicy()) -> jax.Array:
+                   kernels: KernelPolicy = KernelPolicy(), shared: Mapping[str, jax.Array] | None = None) -> jax.Array:
     """Σ_j weights[n, j] · Expert_{ids[n, j]}(x[n]) for tokens x [N, hidden], in the chosen form (module doc).
-    experts: we_gate, we_up, we_down (and their `_scale` leaves with `block`)."""
+    experts: we_gate, we_up, we_down (and their `_scale` leaves with `block`). shared: leaves holding the shared
+    experts (ws_*; none there: no shared experts), their output added: where the grouped kernel runs and they
+    are one expert's shape (DeepSeek-V3), as one more expert of every token, weight 1, in the routed experts'
+    launches (three launches a layer fewer, its bytes streamed with theirs); else as their own MLP."""
     num_slots, num_experts = ids.size, experts["we_gate"].shape[0]
     kernel = kernels.use_grouped_matmul_kernel(fp8=experts["we_gate"].dtype.itemsize == 1, rows=num_slots,
                                               groups=num_experts)
@@ -63,9 +68,36 @@ def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: Ma
     forms = {"dense": _dense_experts, "grouped": _grouped_experts, "gathered": _gathered_experts}
     if form not in forms:
         raise ValueError(f"expert form {form!r} is not one of {EXPERT_FORMS}")
+    if form == "grouped" and kernel and _joins(experts, shared):
+        joined_ids = jnp.concatenate([ids, jnp.full((ids.shape[0], 1), num_experts, ids.dtype)], axis=1)
+        joined_weights = jnp.concatenate([weights, jnp.ones((ids.shape[0], 1), weights.dtype)], axis=1)
+        return _grouped_experts(x, joined_ids, joined_weights, _joined(experts, shared), block, kernels)
     if form == "grouped":
-        return _grouped_experts(x, ids, weights, experts, block, kernels if kernel else None)
-    return forms[form](x, ids, weights, experts, block)
+        routed = _grouped_experts(x, ids, weights, experts, block, kernels if kernel else None)
+    else:
+        routed = forms[form](x, ids, weights, experts, block)
+    return routed if shared is None else routed + _shared(x, shared, block, kernels)
+
+
+def _joins(experts: Mapping[str, jax.Array], shared: Mapping[str, jax.Array] | None) -> bool:
+    """Whether the shared experts can run as one more routed expert: one expert's shapes and dtypes, scaled
+    alike."""
+    if shared is None or "ws_gate" not in shared:
+        return False
+    return all(shared[s_name].shape == experts[e_name].shape[1:] and shared[s_name].dtype == experts[e_name].dtype
+               and (s_name + "_scale" in shared) == (e_name + "_scale" in experts)
+               for e_name, s_name in zip(EXPERT_LEAVES, SHARED_LEAVES))
+
+
+def _joined(experts: Mapping[str, jax.Array], shared: Mapping[str, jax.Array]) -> dict:
+    """Each expert leaf as a tuple (routed stack, the shared expert as a stack of one): grouped_matmul numbers
+    the shared expert after the routed ones."""
+    joined = {}
+    for e_name, s_name in zip(EXPERT_LEAVES, SHARED_LEAVES):
+        for suffix in ("", "_scale"):
+            if e_name + suffix in experts:
+                joined[e_name + suffix] = (experts[e_name + suffix], shared[s_name + suffix][None])
+    return joined
 
 
 def _stacks(experts: Mapping[str, jax.Array], block, dtype, ids=None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -108,7 +140,8 @@ def _grouped_experts(x, ids, weights, experts, block, kernels: KernelPolicy | No
         into, within, slots = dict(row_groups=ids), dict(row_groups=flat_ids), x
     else:
         order = jnp.argsort(flat_ids, stable=True)
-        into = within = dict(group_sizes=jnp.bincount(flat_ids, length=experts["we_gate"].shape[0]).astype(jnp.int32))
+        groups = sum(stack.shape[0] for stack in jax.tree.leaves(experts["we_gate"]))
+        into = within = dict(group_sizes=jnp.bincount(flat_ids, length=groups).astype(jnp.int32))
         slots = x[order // k]
     if kernels is None:
         stacks = dict(zip(EXPERT_LEAVES, _stacks(experts, block, x.dtype)))
@@ -159,9 +192,9 @@ def moe(x: jax.Array, weights: Mapping[str, jax.Array], routing: Routing, *,
     layout = current_layout()
     if layout is not None and layout.shards > 1:
         return _expert_parallel(tokens, ids, routing_weights, weights, layout, kernels, block).reshape(x.shape)
-    routed = routed_experts(tokens, ids, routing_weights, weights, form=kernels.moe_form, block=block,
-                            kernels=kernels)
-    return (routed + _shared(tokens, weights, block, kernels)).reshape(x.shape)
+    out = routed_experts(tokens, ids, routing_weights, weights, form=kernels.moe_form, block=block, kernels=kernels,
+                         shared=weights)
+    return out.reshape(x.shape)
 
 
 def _shared(tokens: jax.Array, weights: Mapping[str, jax.Array], block, kernels: KernelPolicy) -> jax.Array:
@@ -172,6 +205,7 @@ def _shared(tokens: jax.Array, weights: Mapping[str, jax.Array], block, kernels:
 
 
 EXPERT_LEAVES = ("we_gate", "we_up", "we_down")
+SHARED_LEAVES = ("ws_gate", "ws_up", "ws_down")
 SHARED_COLUMNS, SHARED_ROWS = ("ws_gate", "ws_up"), ("ws_down",)
 
 
