@@ -682,6 +682,8 @@ def test_a_shared_expert_of_one_experts_shape_joins_the_routed_launches(tokens):
                                                                  kernels=kernels, shared=s), x)
               for s in (shared, wider)]
     assert counts == [3, 6]
+    # A prefill's many tokens keep the shared expert's own GEMM (it reads each matrix once, the kernel per 16 rows).
+    assert [moe._joins(experts, shared, n, block, kernels) for n in (block[0] - 1, block[0])] == [True, False]
 
 
 def test_random_weights_larger_than_a_slice_are_drawn_in_slices(monkeypatch):

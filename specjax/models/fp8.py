@@ -77,7 +77,7 @@ def linear(x: jax.Array, weights: Mapping[str, jax.Array], name: str, block: tup
     scale = weights.get(name + "_scale")
     tokens = math.prod(x.shape[:-1])
     fp8 = scale is not None
-    if (not fp8 or tokens < block[0]) and kernels.use_grouped_matmul_kernel(fp8=fp8, rows=tokens, groups=1):
+    if in_kernel(tokens, fp8, block, kernels):
         out = grouped_matmul(x.reshape(tokens, -1), weights[name][None], jnp.full((1,), tokens, jnp.int32),
                              scale=scale[None] if fp8 else None, block=block if fp8 else None, kernels=kernels,
                              norm=norm)
@@ -86,6 +86,12 @@ def linear(x: jax.Array, weights: Mapping[str, jax.Array], name: str, block: tup
     if not fp8:
         return x @ weights[name]
     return fp8_matmul(x, weights[name], scale, block)
+
+
+def in_kernel(tokens: int, fp8: bool, block: tuple[int, int] | None, kernels: KernelPolicy) -> bool:
+    """Whether `linear` runs a weight (FP8 or not) at `tokens` rows in the grouped matmul kernel: FP8 below its
+    block's rows of tokens (beyond, a dequantized GEMM reads it once), a plain one at the policy's few rows."""
+    return (not fp8 or tokens < block[0]) and kernels.use_grouped_matmul_kernel(fp8=fp8, rows=tokens, groups=1)
 
 
 def dequantize_stack(weights: Mapping[str, jax.Array], name: str, block: tuple[int, int] | None, dtype,

@@ -21,8 +21,9 @@ which reads each selected expert once per 16 of its slots, FP8 weights as they a
 FP8 stacks at every size and for plain ones from KernelPolicy.grouped_matmul_min_plain_rows slots; elsewhere
 "grouped" is `jax.lax.ragged_dot` over dequantized stacks (on CPU a dense masked matmul over all groups) and "auto"
 takes "gathered" while N*k <= E and "grouped" beyond. A shared expert of one routed expert's shape (DeepSeek-V3's)
-runs in the kernel's launches as one more expert of every token, weight 1; other shared experts (V2-Lite's two,
-or off the kernel) are an MLP of their own.
+runs in the kernel's launches as one more expert of every token, weight 1, at decode and verify sizes (where on
+its own it would run in the kernel); other shared experts (V2-Lite's two, a prefill's, off the kernel) are an MLP
+of their own.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from specjax.kernels.grouped_matmul import grouped_matmul
 from specjax.kernels.moe_routing import select_experts
 from specjax.kernels.moe_routing_reference import Routing
 from specjax.kernels.policy import KernelPolicy
-from specjax.models.fp8 import dequantize_stack, linear
+from specjax.models.fp8 import dequantize_stack, in_kernel, linear
 from specjax.parallel.mesh import Layout, current_layout
 
 EXPERT_FORMS = ("auto", "dense", "grouped", "gathered")
@@ -68,7 +69,7 @@ def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: Ma
     forms = {"dense": _dense_experts, "grouped": _grouped_experts, "gathered": _gathered_experts}
     if form not in forms:
         raise ValueError(f"expert form {form!r} is not one of {EXPERT_FORMS}")
-    if form == "grouped" and kernel and _joins(experts, shared):
+    if form == "grouped" and kernel and _joins(experts, shared, x.shape[0], block, kernels):
         joined_ids = jnp.concatenate([ids, jnp.full((ids.shape[0], 1), num_experts, ids.dtype)], axis=1)
         joined_weights = jnp.concatenate([weights, jnp.ones((ids.shape[0], 1), weights.dtype)], axis=1)
         return _grouped_experts(x, joined_ids, joined_weights, _joined(experts, shared), block, kernels)
@@ -79,10 +80,14 @@ def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: Ma
     return routed if shared is None else routed + _shared(x, shared, block, kernels)
 
 
-def _joins(experts: Mapping[str, jax.Array], shared: Mapping[str, jax.Array] | None) -> bool:
-    """Whether the shared experts can run as one more routed expert: one expert's shapes and dtypes, scaled
-    alike."""
+def _joins(experts: Mapping[str, jax.Array], shared: Mapping[str, jax.Array] | None, tokens: int, block,
+           kernels: KernelPolicy) -> bool:
+    """Whether the shared experts run as one more routed expert: one expert's shapes and dtypes, scaled alike, at
+    a token count where on their own they would run in the kernel too (a prefill's many rows keep their GEMM,
+    which reads each matrix once, where the kernel's tiles of 16 rows would read it once per tile)."""
     if shared is None or "ws_gate" not in shared:
+        return False
+    if not in_kernel(tokens, "ws_gate_scale" in shared, block, kernels):
         return False
     return all(shared[s_name].shape == experts[e_name].shape[1:] and shared[s_name].dtype == experts[e_name].dtype
                and (s_name + "_scale" in shared) == (e_name + "_scale" in experts)
