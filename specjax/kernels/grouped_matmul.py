@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.kernels.grouped_matmul_reference import grouped_matmul_reference
-from specjax.kernels.grouped_matmul_triton import GroupedMatmulConfig, grouped_matmul_triton
+from specjax.kernels.grouped_matmul_triton import (GroupedMatmulConfig, as_stacks, group_count,
+                                                   grouped_matmul_triton)
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.projection_reference import rms_norm
 
@@ -25,11 +26,10 @@ def grouped_matmul(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], group_siz
     (the kernel reads each where it lies; elsewhere they are concatenated). norm (weight [K], eps):
     rms_norm(x, weight, eps) multiplied instead (inside the kernel's row scaling where it runs). Output in the
     (normalised) rows' dtype."""
-    stacks = w if isinstance(w, tuple) else (w,)
-    scales = scale if isinstance(scale, tuple) else (scale,) * len(stacks)
+    stacks, scales = as_stacks(w, scale)
     _check_inputs(x, stacks, group_sizes, row_groups, scales, block, norm)
-    groups = sum(stack.shape[0] for stack in stacks)
-    if kernels.use_grouped_matmul_kernel(fp8=stacks[0].dtype.itemsize == 1, rows=x.shape[0], groups=groups):
+    if kernels.use_grouped_matmul_kernel(fp8=stacks[0].dtype.itemsize == 1, rows=x.shape[0],
+                                         groups=group_count(stacks)):
         out = grouped_matmul_triton(x, w, group_sizes, row_groups=row_groups, scale=scale, block=block,
                                     config=config, fp8_rows=kernels.fp8_activations, norm=norm,
                                     interpret=kernels.interpret)
@@ -59,8 +59,7 @@ def _check_inputs(x, stacks, group_sizes, row_groups, scales, block, norm) -> No
     if (group_sizes is None) == (row_groups is None):
         raise ValueError("grouped_matmul: pass exactly one of group_sizes (rows sorted by group) and row_groups "
                          "(each row's group)")
-    total_groups = sum(stack.shape[0] for stack in stacks)
-    groups, name, (axis, length) = ((group_sizes, "group_sizes", ("G", total_groups)) if row_groups is None
+    groups, name, (axis, length) = ((group_sizes, "group_sizes", ("G", group_count(stacks))) if row_groups is None
                                     else (row_groups, "row_groups", ("M", x.shape[0])))
     ranks = (1,) if row_groups is None else (1, 2)
     if groups.shape[:1] != (length,) or groups.ndim not in ranks or not jnp.issubdtype(groups.dtype, jnp.integer):

@@ -149,6 +149,18 @@ def max_tiles(rows: int, groups: int) -> int:
     return -(-rows // BLOCK_M) + min(groups, rows)
 
 
+def as_stacks(w, scale=None) -> tuple[tuple[jax.Array, ...], tuple]:
+    """(stacks, scales) of a stack or a tuple of stacks numbered on as one concatenation, and their scales (one
+    per stack, or None for each)."""
+    stacks = w if isinstance(w, tuple) else (w,)
+    return stacks, scale if isinstance(scale, tuple) else (scale,) * len(stacks)
+
+
+def group_count(w) -> int:
+    """The groups of a stack or of a tuple of stacks together."""
+    return sum(stack.shape[0] for stack in as_stacks(w)[0])
+
+
 def grouped_matmul_triton(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], group_sizes: jax.Array | None = None,
                           *, row_groups: jax.Array | None = None,
                           scale: jax.Array | tuple[jax.Array, ...] | None = None,
@@ -164,11 +176,10 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], gr
     fp8_rows: a 1-byte stack multiplies rows quantized to e4m3 per K chunk.
     norm (weight [K], eps): the rows RMS-normalised first (projection_reference.rms_norm), inside f16_rows'
     launch where the rows go as float16."""
-    stacks = w if isinstance(w, tuple) else (w,)
-    scales = scale if isinstance(scale, tuple) else (scale,) * len(stacks)
+    stacks, scales = as_stacks(w, scale)
     w, scale = stacks[0], scales[0]
     starts = tuple(int(start) for start in np.cumsum([0] + [stack.shape[0] for stack in stacks[:-1]]))
-    groups, out_features = sum(stack.shape[0] for stack in stacks), w.shape[2]
+    groups, out_features = group_count(stacks), w.shape[2]
     config = config or default_config(groups, w.dtype.itemsize)
     fp8_rows = fp8_rows and w.dtype.itemsize == 1
     out_dtype = x.dtype if norm is None else jnp.result_type(x.dtype, norm[0].dtype)   # the multiplied rows'

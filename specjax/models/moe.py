@@ -35,7 +35,7 @@ from jax import lax
 
 from jax.sharding import PartitionSpec as P
 
-from specjax.kernels.grouped_matmul import grouped_matmul
+from specjax.kernels.grouped_matmul import grouped_matmul, group_count
 from specjax.kernels.moe_routing import select_experts
 from specjax.kernels.moe_routing_reference import Routing
 from specjax.kernels.policy import KernelPolicy
@@ -145,8 +145,8 @@ def _grouped_experts(x, ids, weights, experts, block, kernels: KernelPolicy | No
         into, within, slots = dict(row_groups=ids), dict(row_groups=flat_ids), x
     else:
         order = jnp.argsort(flat_ids, stable=True)
-        groups = sum(stack.shape[0] for stack in jax.tree.leaves(experts["we_gate"]))
-        into = within = dict(group_sizes=jnp.bincount(flat_ids, length=groups).astype(jnp.int32))
+        into = within = dict(group_sizes=jnp.bincount(flat_ids, length=group_count(experts["we_gate"])).astype(
+            jnp.int32))
         slots = x[order // k]
     if kernels is None:
         stacks = dict(zip(EXPERT_LEAVES, _stacks(experts, block, x.dtype)))
