@@ -9,10 +9,10 @@ the batch selects (counted by routing random hidden states through each MoE laye
 cache, over the copy bandwidth measured in the same process.
 
     PYTHONPATH=. python benchmarks/bench_deepseek.py [--suites v3_step,v2_e2e,mtp,v2_transformers] [--smoke]
-        [--forms kernel,xla,fp8_rows] [--batches B ...] [--profile] [--target h200]
+        [--forms kernel,xla,fp8_rows,head_kernel] [--batches B ...] [--profile] [--target h200]
 
 (--forms: which forms v3_step and v2_e2e time: the grouped matmul kernel, XLA's with it off, the kernel on FP8 rows
-(fp8_rows); default kernel,xla. --profile: v3_step also traces 5 steps of the kernel form at each batch, v2_e2e
+(fp8_rows), the kernel with MLA's per-head products in it too (head_kernel); default kernel,xla. --profile: v3_step also traces 5 steps of the kernel form at each batch, v2_e2e
 its plain loops, and writes where the device time goes, per kernel kind.)
 
 (v2_transformers, transformers' own V2-Lite as the peer, runs in a child process first. --target h200 runs
@@ -47,7 +47,7 @@ from specjax.models.moe import route
 from specjax.models.mtp import MtpConfig, MtpHead
 
 SUITES = ("v3_step", "v2_e2e", "mtp", "v2_transformers")
-FORMS = ("kernel", "xla", "fp8_rows")
+FORMS = ("kernel", "xla", "fp8_rows", "head_kernel")
 DEFAULT_FORMS = ("kernel", "xla")
 YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
 # DeepSeek-V3's config.json, 4 layers instead of 61, the first one dense (V3 has 3).
@@ -132,12 +132,14 @@ def stepped_subject(cfg: DeepseekConfig):
 def form_subjects(cfg: DeepseekConfig, target, forms: tuple[str, ...]) -> dict:
     """The target under each of `forms`: "kernel" as built, "xla" the same weights with the experts and the
     few-row projections compiled by XLA (the grouped matmul kernel off), "fp8_rows" the kernel multiplying FP8
-    stacks by rows quantized to FP8 (KernelPolicy.fp8_activations; the same as "kernel" for a bf16 model)."""
+    stacks by rows quantized to FP8 (KernelPolicy.fp8_activations; the same as "kernel" for a bf16 model),
+    "head_kernel" the kernel running MLA's W_UK / W_UV products too (KernelPolicy.head_matmul_max_tokens)."""
     def under(policy: KernelPolicy):
         graph = nnx.graphdef(nnx.eval_shape(lambda: FAMILY.random(cfg, dtype=jnp.bfloat16, kernels=policy)))
         return subject(cfg, graph, target.state)
     makers = {"kernel": lambda: target, "xla": lambda: under(KernelPolicy(grouped_matmul_kernel=False)),
-              "fp8_rows": lambda: under(KernelPolicy(fp8_activations=True))}
+              "fp8_rows": lambda: under(KernelPolicy(fp8_activations=True)),
+              "head_kernel": lambda: under(KernelPolicy(head_matmul_max_tokens=64))}
     return {form: makers[form]() for form in forms}
 
 
@@ -312,7 +314,7 @@ def main(argv=None) -> None:
     parser.add_argument("--suites", default=",".join(SUITES))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, batch 1, to check the script on CPU")
     parser.add_argument("--forms", default=",".join(DEFAULT_FORMS),
-                        help="v3_step's and v2_e2e's forms: kernel, xla, fp8_rows")
+                        help="v3_step's and v2_e2e's forms: kernel, xla, fp8_rows, head_kernel")
     parser.add_argument("--batches", type=int, nargs="+", help="batch sizes (default: 1 8 32 128 for v3_step, 1 8 "
                         "for the V2-Lite suites; --smoke: 1)")
     parser.add_argument("--profile", action="store_true", help="trace the kernel form's steps (v3_step) or loops "

@@ -311,6 +311,25 @@ def test_absorbed_mla_runs_in_bfloat16():
     assert relative_error(out[2].astype(jnp.float32), want[2][:9]) < 3e-2
 
 
+def test_per_head_matmul_in_the_kernel_equals_the_batched_product_and_a_token_alone():
+    """MLA's per-head products through the grouped kernel (interpreted; 16 heads, so that the kernel takes the
+    rows) equal XLA's batched einsum, and a token's row comes out the same bits alone as among 6 tokens; past
+    head_matmul_max_tokens the einsum runs."""
+    heads, width, out = 16, 32, 64
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((2, 3, heads, width)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((heads, width, out)) / np.sqrt(width), jnp.bfloat16)
+    kernels = KernelPolicy(interpret=True, head_matmul_max_tokens=6)
+    got = mla.per_head_matmul(x, w, kernels)
+    assert "pallas_call" in str(jax.make_jaxpr(functools.partial(mla.per_head_matmul, kernels=kernels))(x, w))
+    want = jnp.einsum("bthk,hkn->bthn", x.astype(jnp.float32), w.astype(jnp.float32))
+    assert relative_error(got, want) < 1e-2
+    alone = mla.per_head_matmul(x[1:, 2:], w, kernels)
+    np.testing.assert_array_equal(np.asarray(alone[0, 0], np.float32), np.asarray(got[1, 2], np.float32))
+    beyond = KernelPolicy(interpret=True, head_matmul_max_tokens=5)
+    assert "pallas_call" not in str(jax.make_jaxpr(functools.partial(mla.per_head_matmul, kernels=beyond))(x, w))
+
+
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_absorbed_mla_through_the_attention_kernel_equals_the_expanded_form(tokens):
     """The absorbed form's multi-query attention over the latent cache in the interpreted Pallas kernel (keys read
@@ -323,7 +342,8 @@ def test_absorbed_mla_through_the_attention_kernel_equals_the_expanded_form(toke
     for b, first in enumerate(start):
         cache[:, b, first + tokens:] = np.nan
     q_nope, q_rope = (jnp.asarray(rng.standard_normal((2, tokens, H, d)), jnp.float32) for d in (nope, rope_dim))
-    w_uk, w_uv = (jnp.asarray(rng.standard_normal((H, R, d)) / np.sqrt(R), jnp.float32) for d in (nope, v))
+    w_uk = jnp.asarray(rng.standard_normal((H, nope, R)) / np.sqrt(R), jnp.float32)
+    w_uv = jnp.asarray(rng.standard_normal((H, R, v)) / np.sqrt(R), jnp.float32)
     args = (q_nope, q_rope, jnp.asarray(cache), 1, jnp.asarray(start), w_uk, w_uv)
     with jax.default_matmul_precision("highest"):
         got = mla.absorbed_attention(*args, scale=0.3, kernels=KernelPolicy(impl="triton", interpret=True))
@@ -353,8 +373,8 @@ def test_split_kv_b_is_head_major_with_keys_first():
     heads, nope, v, rank = 3, 2, 4, 5
     kv_b = np.arange(heads * (nope + v) * rank, dtype=np.float32).reshape(heads * (nope + v), rank)
     w_uk, w_uv = mla.split_kv_b(kv_b, heads, nope, v)
-    assert w_uk.shape == (heads, rank, nope) and w_uv.shape == (heads, rank, v)
-    np.testing.assert_array_equal(w_uk[1, :, 0], kv_b[(nope + v) * 1 + 0])
+    assert w_uk.shape == (heads, nope, rank) and w_uv.shape == (heads, rank, v)
+    np.testing.assert_array_equal(w_uk[1, 0], kv_b[(nope + v) * 1 + 0])
     np.testing.assert_array_equal(w_uv[2, :, 3], kv_b[(nope + v) * 2 + nope + 3])
 
 

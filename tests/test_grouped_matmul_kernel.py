@@ -181,6 +181,25 @@ def test_rows_in_any_order_with_their_groups_equal_the_sorted_rows(block):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32)[order])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_interleaved_rows_equal_their_rows_sorted_by_group(dtype):
+    """interleaved (row r of group r % G: 20 tokens of a row per group, over two tiles of each group) gives every
+    row the bits the same rows sorted by group give it, in the kernel, and the per-group product in the
+    reference."""
+    k, n, groups, tokens = 48, 64, 3, 2 * BLOCK_M - 12
+    w, _ = make_stack(5, groups, k, n, dtype)
+    x = make_rows(6, tokens * groups, k, dtype)
+    by_group = np.arange(tokens * groups).reshape(tokens, groups).T.reshape(-1)
+    sizes = jnp.full((groups,), tokens, jnp.int32)
+    sorted_out = grouped_matmul(x[by_group], w, sizes, kernels=INTERPRET)
+    got = grouped_matmul(x, w, interleaved=True, kernels=INTERPRET)
+    want = np.empty(got.shape, np.float32)
+    want[by_group] = np.asarray(sorted_out, np.float32)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+    reference = grouped_matmul(x, w, interleaved=True, kernels=KernelPolicy(impl="reference"))
+    np.testing.assert_allclose(np.asarray(reference, np.float32), want, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("block", [(32, 16), None])
 def test_a_row_with_several_groups_equals_its_copies_one_group_each(block):
     """row_groups [M, R] (one token's experts) gives output row m * R + r the bits of row m copied R times with
@@ -368,13 +387,16 @@ def test_the_kernel_runs_where_triton_converts_the_stacks_dtype(device, plain, f
     (dict(x=jnp.ones((4, 8))), r"x must be \[M, K\] and w \[G, K, N\]"),
     (dict(group_sizes=jnp.ones((3,), jnp.int32)), r"group_sizes must be integers \[G=2\]"),
     (dict(group_sizes=jnp.ones((2,), jnp.float32)), r"group_sizes must be integers"),
-    (dict(group_sizes=None), "pass exactly one of group_sizes .* and row_groups"),
-    (dict(row_groups=jnp.zeros((4,), jnp.int32)), "pass exactly one of group_sizes .* and row_groups"),
+    (dict(group_sizes=None), "pass exactly one of group_sizes .*, row_groups"),
+    (dict(row_groups=jnp.zeros((4,), jnp.int32)), "pass exactly one of group_sizes .*, row_groups"),
     (dict(group_sizes=None, row_groups=jnp.zeros((3,), jnp.int32)), r"row_groups must be integers \[M=4\]"),
     (dict(group_sizes=None, row_groups=jnp.zeros((4, 2, 1), jnp.int32)), r"or \[M=4, R\], got int32\[4, 2, 1\]"),
     (dict(scale=None, block=None), "a 1-byte \\(FP8\\) stack needs its block scales"),
     (dict(block=None), "pass scale= and block= together"),
     (dict(scale=jnp.ones((2, 1, 1), jnp.float32)), r"scale must be \[2, 1, 2\] for w \[2, 16, 32\]"),
+    (dict(interleaved=True), "interleaved rows name their groups themselves"),
+    (dict(group_sizes=None, scale=None, block=None, x=jnp.ones((3, 16)), w=jnp.zeros((2, 16, 32)),
+          interleaved=True), "x's 3 rows must be a multiple of the 2 groups"),
 ])
 def test_bad_input_is_refused_naming_the_argument(change, match):
     args = dict(x=jnp.ones((4, 16)), w=jnp.zeros((2, 16, 32), jnp.float8_e4m3fn),

@@ -136,6 +136,15 @@ def test_grouped_matmul_kernel_lowers(triton_modules, rows, shape, fp8_rows, pai
     assert_verified(triton_modules)
 
 
+@pytest.mark.parametrize("tokens, shape", [(1, (128, 128, 512)), (8, (128, 512, 128)), (40, (16, 128, 512))])
+def test_interleaved_grouped_matmul_lowers(triton_modules, tokens, shape):
+    """MLA's per-head products (W_UK, W_UV at V3's and at 8-way split widths): bf16 stacks, rows a head apart."""
+    heads, k, _ = shape
+    lower_for_cuda(lambda x, w: grouped_matmul_triton(x, w, interleaved=True),
+                   jnp.zeros((tokens * heads, k), jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16))
+    assert_verified(triton_modules)
+
+
 @pytest.mark.parametrize("tokens, experts, routing, biased", [
     (1, 256, Routing(8, "sigmoid", "noaux_tc", 8, 4, routed_scaling_factor=2.5), True),   # DeepSeek-V3
     (64, 160, Routing(6, "softmax", "group_limited_greedy", 8, 3, norm_topk_prob=False), False),   # V2: groups of 20

@@ -16,33 +16,38 @@ def grouped_matmul(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], group_siz
                    row_groups: jax.Array | None = None, scale: jax.Array | tuple[jax.Array, ...] | None = None,
                    block: tuple[int, int] | None = None, kernels: KernelPolicy = KernelPolicy(),
                    config: GroupedMatmulConfig | None = None,
-                   norm: tuple[jax.Array, float] | None = None) -> jax.Array:
+                   norm: tuple[jax.Array, float] | None = None, interleaved: bool = False) -> jax.Array:
     """x [M, K] @ w[g] row by row for w [G, K, N]: the rows sorted by group with group_sizes [G] rows in each
     (rows past sum(group_sizes) are zero), or in any order with row_groups [M] naming each row's group (one
     kernel tile per row: for rows of distinct groups), or row_groups [M, R] naming R groups for each row (out
-    [M * R, N], its row m * R + r x[m] @ w[row_groups[m, r]]: one token's experts from its one row); with `scale`
+    [M * R, N], its row m * R + r x[m] @ w[row_groups[m, r]]: one token's experts from its one row), or
+    `interleaved`: row r times w[r % G] (T tokens of a row per group, token-major: MLA's per-head products, with
+    no table, sort or transpose); with `scale`
     [G, ceil(K/b0), ceil(N/b1)] (block b = `block`) w holds FP8 codes and each block's partial product is scaled.
     w (and scale) may be a tuple of stacks alike but for their group counts, numbered on as one concatenation
     (the kernel reads each where it lies; elsewhere they are concatenated). norm (weight [K], eps):
     rms_norm(x, weight, eps) multiplied instead (inside the kernel's row scaling where it runs). Output in the
     (normalised) rows' dtype."""
     stacks, scales = as_stacks(w, scale)
-    _check_inputs(x, stacks, group_sizes, row_groups, scales, block, norm)
+    _check_inputs(x, stacks, group_sizes, row_groups, scales, block, norm, interleaved)
     if kernels.use_grouped_matmul_kernel(fp8=stacks[0].dtype.itemsize == 1, rows=x.shape[0],
                                          groups=group_count(stacks)):
         out = grouped_matmul_triton(x, w, group_sizes, row_groups=row_groups, scale=scale, block=block,
                                     config=config, fp8_rows=kernels.fp8_activations, norm=norm,
-                                    interpret=kernels.interpret)
-        if row_groups is not None:
+                                    interleaved=interleaved, interpret=kernels.interpret)
+        if row_groups is not None or interleaved:
             return out
         return jnp.where((jnp.arange(x.shape[0]) < group_sizes.sum())[:, None], out, 0)
     x = x if norm is None else rms_norm(x, *norm)
+    if interleaved:
+        joined = jnp.concatenate(stacks) if len(stacks) > 1 else stacks[0]
+        return jnp.einsum("tgk,gkn->tgn", x.reshape(-1, *joined.shape[:2]), joined).reshape(x.shape[0], -1)
     joined = jnp.concatenate(stacks) if len(stacks) > 1 else stacks[0]
     joined_scale = jnp.concatenate(scales) if len(stacks) > 1 and scales[0] is not None else scales[0]
     return grouped_matmul_reference(x, joined, group_sizes, row_groups=row_groups, scale=joined_scale, block=block)
 
 
-def _check_inputs(x, stacks, group_sizes, row_groups, scales, block, norm) -> None:
+def _check_inputs(x, stacks, group_sizes, row_groups, scales, block, norm, interleaved) -> None:
     """Raise a clear error for inconsistent inputs before anything is compiled."""
     w = stacks[0]
     if x.ndim != 2 or any(stack.ndim != 3 for stack in stacks) or x.shape[1] != w.shape[1]:
@@ -56,15 +61,15 @@ def _check_inputs(x, stacks, group_sizes, row_groups, scales, block, norm) -> No
         raise ValueError("grouped_matmul: pass one scale per stack (a tuple as long as w's), or none")
     if norm is not None and norm[0].shape != (x.shape[1],):
         raise ValueError(f"grouped_matmul: norm's weight must be [K={x.shape[1]}], got {list(norm[0].shape)}")
-    if (group_sizes is None) == (row_groups is None):
-        raise ValueError("grouped_matmul: pass exactly one of group_sizes (rows sorted by group) and row_groups "
-                         "(each row's group)")
-    groups, name, (axis, length) = ((group_sizes, "group_sizes", ("G", group_count(stacks))) if row_groups is None
-                                    else (row_groups, "row_groups", ("M", x.shape[0])))
-    ranks = (1,) if row_groups is None else (1, 2)
-    if groups.shape[:1] != (length,) or groups.ndim not in ranks or not jnp.issubdtype(groups.dtype, jnp.integer):
-        shapes = f"[{axis}={length}]" + ("" if row_groups is None else f" or [{axis}={length}, R]")
-        raise ValueError(f"grouped_matmul: {name} must be integers {shapes}, got {groups.dtype}{list(groups.shape)}")
+    if interleaved:
+        if group_sizes is not None or row_groups is not None or scales[0] is not None:
+            raise ValueError("grouped_matmul: interleaved rows name their groups themselves (row r: group r % G), "
+                             "for a plain stack: pass no group_sizes, row_groups or scale with it")
+        if x.shape[0] % group_count(stacks):
+            raise ValueError(f"grouped_matmul: interleaved rows come a row per group, so x's {x.shape[0]} rows must "
+                             f"be a multiple of the {group_count(stacks)} groups")
+    else:
+        _check_groups(x, stacks, group_sizes, row_groups)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"grouped_matmul: x must be floating point, got {x.dtype}")
     if (scales[0] is None) != (block is None):
@@ -78,3 +83,16 @@ def _check_inputs(x, stacks, group_sizes, row_groups, scales, block, norm) -> No
             if scale.shape != expected:
                 raise ValueError(f"grouped_matmul: scale must be {list(expected)} for w {list(stack.shape)} in "
                                  f"blocks of {list(block)}, got {list(scale.shape)}")
+
+
+def _check_groups(x, stacks, group_sizes, row_groups) -> None:
+    """Exactly one of group_sizes [G] and row_groups [M] or [M, R], integers."""
+    if (group_sizes is None) == (row_groups is None):
+        raise ValueError("grouped_matmul: pass exactly one of group_sizes (rows sorted by group), row_groups "
+                         "(each row's group) and interleaved=True")
+    groups, name, (axis, length) = ((group_sizes, "group_sizes", ("G", group_count(stacks))) if row_groups is None
+                                    else (row_groups, "row_groups", ("M", x.shape[0])))
+    ranks = (1,) if row_groups is None else (1, 2)
+    if groups.shape[:1] != (length,) or groups.ndim not in ranks or not jnp.issubdtype(groups.dtype, jnp.integer):
+        shapes = f"[{axis}={length}]" + ("" if row_groups is None else f" or [{axis}={length}, R]")
+        raise ValueError(f"grouped_matmul: {name} must be integers {shapes}, got {groups.dtype}{list(groups.shape)}")

@@ -166,11 +166,14 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], gr
                           scale: jax.Array | tuple[jax.Array, ...] | None = None,
                           block: tuple[int, int] | None = None, config: GroupedMatmulConfig | None = None,
                           fp8_rows: bool = False, norm: tuple[jax.Array, float] | None = None,
-                          interpret: bool = False) -> jax.Array:
+                          interleaved: bool = False, interpret: bool = False) -> jax.Array:
     """specjax.kernels.grouped_matmul_reference, as one kernel (rows past sum(group_sizes) are left unwritten;
     the dispatcher zeroes them). row_groups instead of group_sizes: one tile per row, no table to compute, each
     row's matrix read once per row (for rows of distinct groups, such as one token's experts, the same bytes);
     row_groups [M, R]: R output rows (tiles) per row of x, which each tile reads itself (no repeated copy of x).
+    interleaved instead: row r of group r % G (T tokens of one row per group, token-major); a tile holds up to
+    BLOCK_M of one group's rows, G apart, so each matrix is read once per BLOCK_M tokens, with no table and no
+    transposes around the call.
     w (and scale) a tuple of stacks of one shape but the group count: their groups numbered on as if they were
     concatenated (a MoE layer's routed experts and its shared expert in one launch), each read where it lies.
     fp8_rows: a 1-byte stack multiplies rows quantized to e4m3 per K chunk.
@@ -198,20 +201,25 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], gr
     block_k = block[0] if scale is not None else config.block_k
     column_blocks, k_chunks = pl.cdiv(stored[0].shape[2], block_n), pl.cdiv(in_features, block_k)
     splits = 1 if rows > MAX_SPLIT_ROWS else config.k_splits or default_k_splits(
-        column_blocks, k_chunks, planned_tiles(groups))
+        column_blocks, k_chunks, groups if interleaved else planned_tiles(groups))   # interleaved: a tile per group
     chunks_per_split = pl.cdiv(k_chunks, splits)
     splits = pl.cdiv(k_chunks, chunks_per_split)
-    tiles = tile_table(group_sizes, rows) if row_groups is None else row_tiles(row_groups.reshape(-1))
+    if interleaved:
+        tiles, tile_count = (), groups * pl.cdiv(rows // groups, BLOCK_M)
+    else:
+        tiles = tile_table(group_sizes, rows) if row_groups is None else row_tiles(row_groups.reshape(-1))
+        tile_count = tiles[0].shape[0]
     args = [*tiles, x, *stored] + [a for a in (*scales, unscale) if a is not None]
     kernel = functools.partial(
         _grouped_kernel, starts=starts, pairs=pairs, weight_dtype=w.dtype, has_scale=scale is not None,
         has_unscale=unscale is not None, in_features=in_features, out_features=out_features, block_k=block_k,
         block_n=block_n, chunks_per_split=chunks_per_split, repeat=repeat,
         whole_tiles=in_features % block_k == 0 and stored[0].shape[2] % block_n == 0, fp8_rows=fp8_rows,
-        scale_block_n=block[1] if scale is not None else 1, precision=precision)
+        scale_block_n=block[1] if scale is not None else 1, precision=precision,
+        interleave=(groups, rows) if interleaved else None)
     partials = pl.pallas_call(
         kernel,
-        grid=(tiles[0].shape[0], column_blocks, splits),
+        grid=(tile_count, column_blocks, splits),
         in_specs=[pl.BlockSpec() for _ in args],   # unblocked: the kernel indexes its rows, group and columns
         out_specs=pl.BlockSpec(),
         out_shape=jax.ShapeDtypeStruct((splits, rows, out_features), out_dtype if splits == 1 else jnp.float32),
@@ -326,10 +334,10 @@ def _as_pairs(w: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(as_bytes.reshape(*w.shape[:2], -1, 2), jnp.uint16)
 
 
-def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, *refs, starts: tuple[int, ...], pairs: bool,
-                    weight_dtype, has_scale: bool, has_unscale: bool, in_features: int, out_features: int,
-                    block_k: int, block_n: int, chunks_per_split: int, repeat: int, whole_tiles: bool,
-                    fp8_rows: bool, scale_block_n: int, precision: lax.Precision) -> None:
+def _grouped_kernel(*refs, starts: tuple[int, ...], pairs: bool, weight_dtype, has_scale: bool,
+                    has_unscale: bool, in_features: int, out_features: int, block_k: int, block_n: int,
+                    chunks_per_split: int, repeat: int, whole_tiles: bool, fp8_rows: bool, scale_block_n: int,
+                    precision: lax.Precision, interleave: tuple[int, int] | None) -> None:
     """One (tile, column block, K split): nothing for an empty tile; else the K loop over the split's chunks of
     dots (one per column phase: even and odd columns of a pair view), scaled per block, and one masked store per
     phase into the split's partial output (times each row's unscale where the rows came as scaled float16).
@@ -337,18 +345,27 @@ def _grouped_kernel(group_ref, first_ref, end_ref, x_ref, *refs, starts: tuple[i
     the output; a tile's group picks its stack, whose loop alone runs.
     Where the blocks tile the stack whole (`whole_tiles`, every DeepSeek shape), weight and scale loads go
     unmasked: no per-element predicates in the loop that streams the bytes. Output row r reads x's row
-    r // repeat (row_groups [M, R]: each of x's rows serves R output rows)."""
+    r // repeat (row_groups [M, R]: each of x's rows serves R output rows). `interleave` (G, rows): no table;
+    tile t holds group t % G's rows from token BLOCK_M * (t // G) on, G apart."""
+    tile, split = pl.program_id(0), pl.program_id(2)
+    if interleave is None:
+        group_ref, first_ref, end_ref, x_ref, *refs = refs
+        group, first, end, stride = group_ref[tile], first_ref[tile], end_ref[tile], 1
+    else:
+        x_ref, *refs = refs
+        stride, rows = interleave
+        group = tile % stride
+        first = group + (tile // stride) * BLOCK_M * stride
+        end = jnp.minimum(first + BLOCK_M * stride, rows)
     w_refs = refs[:len(starts)]
     scale_refs = refs[len(starts):2 * len(starts)] if has_scale else (None,) * len(starts)
     unscale_ref = refs[-2] if has_unscale else None
     out_ref = refs[-1]
-    tile, split = pl.program_id(0), pl.program_id(2)
-    group, first, end = group_ref[tile], first_ref[tile], end_ref[tile]
     stored_col = pl.program_id(1) * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
     stored_ok = stored_col < w_refs[0].shape[2]
     phases = 2 if pairs else 1
     out_cols = [stored_col * phases + phase for phase in range(phases)]
-    row = first + lax.broadcasted_iota(jnp.int32, (BLOCK_M,), 0)
+    row = first + lax.broadcasted_iota(jnp.int32, (BLOCK_M,), 0) * stride
     row_ok = row < end
     x_row = row if repeat == 1 else lax.div(row, repeat)
 

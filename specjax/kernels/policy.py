@@ -60,6 +60,10 @@ class KernelPolicy:
     # and what runs off the kernels whatever this says); bf16 rows enter the kernel as power-of-two-scaled
     # float16, the same products (kernels/grouped_matmul_triton.py).
     fp8_activations: bool = False
+    # MLA's per-head products (W_UK into the queries, W_UV out of the attended latent) in the grouped matmul kernel
+    # (rows interleaved by head) up to this many tokens a call; 0: XLA's batched products (not yet timed against
+    # them on a GPU: bench_deepseek.py's "head_kernel" form sets 64).
+    head_matmul_max_tokens: int = 0
     # MoE routing (scores, group limit, top-k, weights) as one kernel per call, where XLA's ops launch about ten.
     routing_kernel: bool = True
 
@@ -102,6 +106,12 @@ class KernelPolicy:
             return self.grouped_matmul_kernel and fits
         fp8_ok = self.interpret or has_kernels(self._device(), _MIN_FP8_COMPUTE_CAPABILITY)
         return self.grouped_matmul_kernel and fp8_ok
+
+    def use_head_matmul_kernel(self, tokens: int) -> bool:
+        """Whether per-head products (MLA's W_UK / W_UV) of `tokens` tokens run the grouped matmul kernel."""
+        mode = self.mode()
+        return mode == "triton" or (mode == "auto" and self.grouped_matmul_kernel
+                                    and tokens <= self.head_matmul_max_tokens)
 
     def use_routing_kernel(self) -> bool:
         """Whether MoE routing runs the kernel (at every token count: a token's experts must not depend on it)."""

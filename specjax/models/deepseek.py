@@ -277,7 +277,7 @@ def _qkv_a_map(cfg: DeepseekConfig, layers: tuple[int, ...]) -> dict[str, LeafSp
 
 
 def _kv_b_map(cfg: DeepseekConfig, layers: tuple[int, ...]) -> dict[str, LeafSpec]:
-    """w_uk [H, R, nope] and w_uv [H, R, v] out of kv_b_proj.weight [H * (nope + v), R] (dequantized here when
+    """w_uk [H, nope, R] and w_uv [H, R, v] out of kv_b_proj.weight [H * (nope + v), R] (dequantized here when
     FP8: the absorbed attention reads them per head, and vLLM keeps them dequantized too)."""
     H, R, nope, v = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
     hf = _ATTN + "kv_b_proj.weight"
@@ -293,9 +293,9 @@ def _kv_b_map(cfg: DeepseekConfig, layers: tuple[int, ...]) -> dict[str, LeafSpe
             return split_kv_b(weight.astype(np.float32), H, nope, v)[index]
         return combine
 
-    return {name: LeafSpec(names, (len(layers), H, R, width), combine=part(index), part_shapes=shapes,
+    return {name: LeafSpec(names, (len(layers), H) + shape, combine=part(index), part_shapes=shapes,
                            layer_indices=layers)
-            for index, (name, width) in enumerate((("w_uk", nope), ("w_uv", v)))}
+            for index, (name, shape) in enumerate((("w_uk", (nope, R)), ("w_uv", (R, v))))}
 
 
 def _experts_map(cfg: DeepseekConfig, layers: tuple[int, ...]) -> dict[str, LeafSpec]:

@@ -16,7 +16,8 @@ Weights (a dict; matrices stored [in, out], the transpose of HF's [out, in] nn.L
   q_norm [q_lora_rank]                        q_a_layernorm
   wq_b   [q_lora_rank, H * (nope + rope)]     q_b_proj; per head [q_nope ; q_rope]
   kv_norm [kv_lora_rank]                      kv_a_layernorm (c_kv only)
-  w_uk   [H, kv_lora_rank, nope]              kv_b_proj's key rows, per head, [in, out] (`split_kv_b`)
+  w_uk   [H, nope, kv_lora_rank]              kv_b_proj's key rows, per head, as stored ([out, in] of the keys'
+                                              up-projection, [in, out] of the absorbed query's: `split_kv_b`)
   w_uv   [H, kv_lora_rank, v]                 kv_b_proj's value rows, per head, [in, out]
   wo     [H * v, hidden]                      o_proj
 Head counts and widths are read off these shapes. An FP8 checkpoint adds `<name>_scale` block scales beside
@@ -26,9 +27,10 @@ wq / wqkv_a / wq_b / wkv_a / wo (models/fp8.py `linear`); w_uk and w_uv are dequ
 Expanded form (`expanded_attention`): the latent rows are up-projected to per-head keys [k_nope ; k_rope] (width
 nope + rope) and values (width v), then ordinary attention; what transformers computes, and the form to use where
 queries outnumber cached tokens per head (prefill). Absorbed form (`absorbed_attention`): W_UK moves into the query
-(q_lat = q_nope W_UK^T per head), scores are q_lat·c_kv + q_rope·k_rope straight against the cache, the
-probabilities average c_kv, and W_UV maps the result to v per head; it reads only the latent rows (decode, verify),
-through the attention dispatcher (kernels/attention.py: the Pallas kernel where kernels run).
+(q_lat = q_nope W_UK per head), scores are q_lat·c_kv + q_rope·k_rope straight against the cache, the
+probabilities average c_kv, and W_UV maps the result to v per head (both per-head products `per_head_matmul`'s);
+it reads only the latent rows (decode, verify), through the attention dispatcher (kernels/attention.py: the Pallas
+kernel where kernels run).
 Both use the engine's causal convention (specjax.kernels.attention_reference): query t of row b sits at position
 start[b] + t and sees slots <= start[b] + t; slots past the last one this call wrote may hold garbage (NaN) and
 are zeroed before use; long query blocks run in chunks of QUERY_CHUNK.
@@ -46,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from specjax.kernels.attention import attention
 from specjax.kernels.attention_reference import QUERY_CHUNK
+from specjax.kernels.grouped_matmul import grouped_matmul
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.projection_reference import rms_norm
 from specjax.kernels.tree_mask import TreeMask, tree_visible_slots
@@ -60,11 +63,12 @@ Rotation = Callable[[jax.Array, jax.Array], jax.Array]   # (x [B, T, H, D], posi
 
 
 def split_kv_b(kv_b_weight, num_heads: int, nope_dim: int, v_dim: int):
-    """w_uk [H, R, nope] and w_uv [H, R, v] out of HF's kv_b_proj.weight [H * (nope + v), R], whose rows are
-    head-major with [k_nope ; v] per head. Works on numpy and JAX arrays alike (loaders call it on host)."""
+    """w_uk [H, nope, R] and w_uv [H, R, v] out of HF's kv_b_proj.weight [H * (nope + v), R], whose rows are
+    head-major with [k_nope ; v] per head: each the orientation its absorbed product multiplies by ([in, out]:
+    q_nope W_UK and the attended latent W_UV). Works on numpy and JAX arrays alike (loaders call it on host)."""
     rank = kv_b_weight.shape[1]
     per_head = kv_b_weight.reshape(num_heads, nope_dim + v_dim, rank)
-    return per_head[:, :nope_dim].transpose(0, 2, 1), per_head[:, nope_dim:].transpose(0, 2, 1)
+    return per_head[:, :nope_dim], per_head[:, nope_dim:].transpose(0, 2, 1)
 
 
 def fused_q_width(q_lora_rank: int, block: tuple[int, int] | None) -> int:
@@ -87,7 +91,7 @@ def project_inputs(x: jax.Array, weights: dict, block: tuple[int, int] | None = 
         q_lora = weights["q_norm"].shape[0]
         latent = both[..., fused_q_width(q_lora, block):]
         q = linear(both[..., :q_lora], weights, "wq_b", block, kernels, (weights["q_norm"], LATENT_NORM_EPS))
-    num_heads, _, nope = weights["w_uk"].shape
+    num_heads, nope, _ = weights["w_uk"].shape
     q = q.reshape(*x.shape[:-1], num_heads, -1)
     rank = weights["kv_norm"].shape[0]
     c_kv = rms_norm(latent[..., :rank], weights["kv_norm"], LATENT_NORM_EPS)
@@ -147,11 +151,22 @@ def absorbed_attention(q_nope: jax.Array, q_rope: jax.Array, cache: jax.Array, l
     the latent cache, with W_UK absorbed into the queries and W_UV applied after the average over c_kv: multi-query
     attention over the cache as one kv head whose first kv_lora_rank columns are the values (the attention
     kernel where `kernels` runs it). A draft tree's pass (`tree`) sees the slots its mask gives."""
-    rank = w_uk.shape[1]
-    q = jnp.concatenate([jnp.einsum("bthn,hrn->bthr", q_nope, w_uk), q_rope], axis=-1)   # [B, T, H, R + rope]
+    rank = w_uk.shape[2]
+    q = jnp.concatenate([per_head_matmul(q_nope, w_uk, kernels), q_rope], axis=-1)   # [B, T, H, R + rope]
     out_latent = attention(q.astype(cache.dtype), cache[:, :, None], None, layer, start, scale=scale,
                            value_dim=rank, kernels=kernels, tree=tree)
-    return jnp.einsum("bthr,hrv->bthv", out_latent.astype(q_nope.dtype), w_uv)
+    return per_head_matmul(out_latent.astype(q_nope.dtype), w_uv, kernels)
+
+
+def per_head_matmul(x: jax.Array, w: jax.Array, kernels: KernelPolicy) -> jax.Array:
+    """x [B, T, H, K] times each head's own matrix of w [H, K, N]: [B, T, H, N]. Where the policy runs kernels at
+    this few tokens, the grouped matmul kernel over x's rows as they lie (interleaved: a row per head, no
+    transposes), each head's matrix read once per 16 tokens; XLA's batched product elsewhere."""
+    batch, tokens, heads, width = x.shape
+    if not kernels.use_head_matmul_kernel(batch * tokens):
+        return jnp.einsum("bthk,hkn->bthn", x, w)
+    out = grouped_matmul(x.reshape(-1, width), w, interleaved=True, kernels=kernels)
+    return out.reshape(batch, tokens, heads, -1)
 
 
 def expanded_attention(q_nope: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: jax.Array | int,
@@ -161,8 +176,8 @@ def expanded_attention(q_nope: jax.Array, q_rope: jax.Array, cache: jax.Array, l
     and v, then attention with key width nope + rope (the shared k_rope joins every head) and value width v."""
     def attend(queries, latent, first_position):
         nope, rope = queries
-        rank = w_uk.shape[1]
-        k_nope = jnp.einsum("bsr,hrn->bshn", latent[..., :rank], w_uk)
+        rank = w_uk.shape[2]
+        k_nope = jnp.einsum("bsr,hnr->bshn", latent[..., :rank], w_uk)
         values = jnp.einsum("bsr,hrv->bshv", latent[..., :rank], w_uv)
         logits = (jnp.einsum("bthn,bshn->bhts", nope, k_nope, preferred_element_type=jnp.float32)
                   + jnp.einsum("bthp,bsp->bhts", rope, latent[..., rank:], preferred_element_type=jnp.float32))
