@@ -181,23 +181,22 @@ def test_rows_in_any_order_with_their_groups_equal_the_sorted_rows(block):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32)[order])
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_interleaved_rows_equal_their_rows_sorted_by_group(dtype):
-    """interleaved (row r of group r % G: 20 tokens of a row per group, over two tiles of each group) gives every
-    row the bits the same rows sorted by group give it, in the kernel, and the per-group product in the
-    reference."""
-    k, n, groups, tokens = 48, 64, 3, 2 * BLOCK_M - 12
-    w, _ = make_stack(5, groups, k, n, dtype)
-    x = make_rows(6, tokens * groups, k, dtype)
+@pytest.mark.parametrize("groups, block", [(3, None), (3, (32, 16)), (1, (32, 16))])
+def test_interleaved_rows_equal_their_rows_sorted_by_group(groups, block):
+    """interleaved (row r of group r % G: 20 tokens of a row per group, over two tiles of each group; one group:
+    the rows in order, fp8.linear's call) gives every row the bits the same rows sorted by group give it, in the
+    kernel (bf16 rows, plain or FP8 stacks) and in the reference."""
+    k, n, tokens = 64, 64, 2 * BLOCK_M - 12
+    w, scale = make_stack(5, groups, k, n, jnp.bfloat16, block)
+    x = make_rows(6, tokens * groups, k, jnp.bfloat16)
     by_group = np.arange(tokens * groups).reshape(tokens, groups).T.reshape(-1)
     sizes = jnp.full((groups,), tokens, jnp.int32)
-    sorted_out = grouped_matmul(x[by_group], w, sizes, kernels=INTERPRET)
-    got = grouped_matmul(x, w, interleaved=True, kernels=INTERPRET)
-    want = np.empty(got.shape, np.float32)
-    want[by_group] = np.asarray(sorted_out, np.float32)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), want)
-    reference = grouped_matmul(x, w, interleaved=True, kernels=KernelPolicy(impl="reference"))
-    np.testing.assert_allclose(np.asarray(reference, np.float32), want, rtol=2e-2, atol=2e-2)
+    for kernels in (INTERPRET, KernelPolicy(impl="reference")):
+        sorted_out = grouped_matmul(x[by_group], w, sizes, scale=scale, block=block, kernels=kernels)
+        got = grouped_matmul(x, w, interleaved=True, scale=scale, block=block, kernels=kernels)
+        want = np.empty(got.shape, np.float32)
+        want[by_group] = np.asarray(sorted_out, np.float32)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), want)
 
 
 @pytest.mark.parametrize("block", [(32, 16), None])

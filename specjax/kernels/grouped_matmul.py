@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.kernels.grouped_matmul_reference import grouped_matmul_reference
 from specjax.kernels.grouped_matmul_triton import (GroupedMatmulConfig, as_stacks, group_count,
@@ -21,8 +22,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], group_siz
     (rows past sum(group_sizes) are zero), or in any order with row_groups [M] naming each row's group (one
     kernel tile per row: for rows of distinct groups), or row_groups [M, R] naming R groups for each row (out
     [M * R, N], its row m * R + r x[m] @ w[row_groups[m, r]]: one token's experts from its one row), or
-    `interleaved`: row r times w[r % G] (T tokens of a row per group, token-major: MLA's per-head products, with
-    no table, sort or transpose); with `scale`
+    `interleaved`: row r times w[r % G] (T tokens of a row per group, token-major: MLA's per-head products, or a
+    single matrix's rows in order; no table, sort or transpose to launch); with `scale`
     [G, ceil(K/b0), ceil(N/b1)] (block b = `block`) w holds FP8 codes and each block's partial product is scaled.
     w (and scale) may be a tuple of stacks alike but for their group counts, numbered on as one concatenation
     (the kernel reads each where it lies; elsewhere they are concatenated). norm (weight [K], eps):
@@ -39,11 +40,14 @@ def grouped_matmul(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], group_siz
             return out
         return jnp.where((jnp.arange(x.shape[0]) < group_sizes.sum())[:, None], out, 0)
     x = x if norm is None else rms_norm(x, *norm)
-    if interleaved:
-        joined = jnp.concatenate(stacks) if len(stacks) > 1 else stacks[0]
-        return jnp.einsum("tgk,gkn->tgn", x.reshape(-1, *joined.shape[:2]), joined).reshape(x.shape[0], -1)
     joined = jnp.concatenate(stacks) if len(stacks) > 1 else stacks[0]
     joined_scale = jnp.concatenate(scales) if len(stacks) > 1 and scales[0] is not None else scales[0]
+    if interleaved:   # the same rows sorted by group, and back
+        groups = joined.shape[0]
+        by_group = np.arange(x.shape[0]).reshape(-1, groups).T.reshape(-1)
+        sizes = jnp.full((groups,), x.shape[0] // groups, jnp.int32)
+        out = grouped_matmul_reference(x[by_group], joined, sizes, scale=joined_scale, block=block)
+        return out[np.argsort(by_group)]
     return grouped_matmul_reference(x, joined, group_sizes, row_groups=row_groups, scale=joined_scale, block=block)
 
 
@@ -62,9 +66,9 @@ def _check_inputs(x, stacks, group_sizes, row_groups, scales, block, norm, inter
     if norm is not None and norm[0].shape != (x.shape[1],):
         raise ValueError(f"grouped_matmul: norm's weight must be [K={x.shape[1]}], got {list(norm[0].shape)}")
     if interleaved:
-        if group_sizes is not None or row_groups is not None or scales[0] is not None:
-            raise ValueError("grouped_matmul: interleaved rows name their groups themselves (row r: group r % G), "
-                             "for a plain stack: pass no group_sizes, row_groups or scale with it")
+        if group_sizes is not None or row_groups is not None:
+            raise ValueError("grouped_matmul: interleaved rows name their groups themselves (row r: group r % G): "
+                             "pass no group_sizes or row_groups with it")
         if x.shape[0] % group_count(stacks):
             raise ValueError(f"grouped_matmul: interleaved rows come a row per group, so x's {x.shape[0]} rows must "
                              f"be a multiple of the {group_count(stacks)} groups")

@@ -171,9 +171,9 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], gr
     the dispatcher zeroes them). row_groups instead of group_sizes: one tile per row, no table to compute, each
     row's matrix read once per row (for rows of distinct groups, such as one token's experts, the same bytes);
     row_groups [M, R]: R output rows (tiles) per row of x, which each tile reads itself (no repeated copy of x).
-    interleaved instead: row r of group r % G (T tokens of one row per group, token-major); a tile holds up to
-    BLOCK_M of one group's rows, G apart, so each matrix is read once per BLOCK_M tokens, with no table and no
-    transposes around the call.
+    interleaved instead: row r of group r % G (T tokens of one row per group, token-major; one group: the rows in
+    order); a tile holds up to BLOCK_M of one group's rows, G apart, so each matrix is read once per BLOCK_M
+    tokens, with no table and no transposes around the call.
     w (and scale) a tuple of stacks of one shape but the group count: their groups numbered on as if they were
     concatenated (a MoE layer's routed experts and its shared expert in one launch), each read where it lies.
     fp8_rows: a 1-byte stack multiplies rows quantized to e4m3 per K chunk.

@@ -78,7 +78,7 @@ def linear(x: jax.Array, weights: Mapping[str, jax.Array], name: str, block: tup
     tokens = math.prod(x.shape[:-1])
     fp8 = scale is not None
     if in_kernel(tokens, fp8, block, kernels):
-        out = grouped_matmul(x.reshape(tokens, -1), weights[name][None], jnp.full((1,), tokens, jnp.int32),
+        out = grouped_matmul(x.reshape(tokens, -1), weights[name][None], interleaved=True,   # one group: no table
                              scale=scale[None] if fp8 else None, block=block if fp8 else None, kernels=kernels,
                              norm=norm)
         return out.reshape(*x.shape[:-1], -1)
