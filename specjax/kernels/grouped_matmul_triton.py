@@ -130,13 +130,6 @@ def tile_table(group_sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array,
     return group, first, end
 
 
-def row_tiles(row_groups: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(group, first row, end row) of one tile per row, for rows in any order (the rows as constants: an iota is
-    a launch of its own on GPUs)."""
-    row = np.arange(row_groups.shape[0], dtype=np.int32)
-    return row_groups.astype(jnp.int32), jnp.asarray(row), jnp.asarray(row + 1)
-
-
 def _inclusive_sums(values: jax.Array) -> jax.Array:
     """cumsum of a short vector as one masked [n, n] row sum (one parallel reduction)."""
     index = jnp.arange(values.shape[0])
@@ -205,9 +198,11 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], gr
     chunks_per_split = pl.cdiv(k_chunks, splits)
     splits = pl.cdiv(k_chunks, chunks_per_split)
     if interleaved:
-        tiles, tile_count = (), groups * pl.cdiv(rows // groups, BLOCK_M)
+        tiling, tiles, tile_count = ("interleaved", groups, rows), (), groups * pl.cdiv(rows // groups, BLOCK_M)
+    elif row_groups is not None:   # tile t: row t (an index array built beside the call is a launch on GPUs)
+        tiling, tiles, tile_count = ("rows",), (row_groups.reshape(-1).astype(jnp.int32),), rows
     else:
-        tiles = tile_table(group_sizes, rows) if row_groups is None else row_tiles(row_groups.reshape(-1))
+        tiling, tiles = ("table",), tile_table(group_sizes, rows)
         tile_count = tiles[0].shape[0]
     args = [*tiles, x, *stored] + [a for a in (*scales, unscale) if a is not None]
     kernel = functools.partial(
@@ -216,7 +211,7 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], gr
         block_n=block_n, chunks_per_split=chunks_per_split, repeat=repeat,
         whole_tiles=in_features % block_k == 0 and stored[0].shape[2] % block_n == 0, fp8_rows=fp8_rows,
         scale_block_n=block[1] if scale is not None else 1, precision=precision,
-        interleave=(groups, rows) if interleaved else None)
+        tiling=tiling)
     partials = pl.pallas_call(
         kernel,
         grid=(tile_count, column_blocks, splits),
@@ -337,7 +332,7 @@ def _as_pairs(w: jax.Array) -> jax.Array:
 def _grouped_kernel(*refs, starts: tuple[int, ...], pairs: bool, weight_dtype, has_scale: bool,
                     has_unscale: bool, in_features: int, out_features: int, block_k: int, block_n: int,
                     chunks_per_split: int, repeat: int, whole_tiles: bool, fp8_rows: bool, scale_block_n: int,
-                    precision: lax.Precision, interleave: tuple[int, int] | None) -> None:
+                    precision: lax.Precision, tiling: tuple) -> None:
     """One (tile, column block, K split): nothing for an empty tile; else the K loop over the split's chunks of
     dots (one per column phase: even and odd columns of a pair view), scaled per block, and one masked store per
     phase into the split's partial output (times each row's unscale where the rows came as scaled float16).
@@ -345,15 +340,20 @@ def _grouped_kernel(*refs, starts: tuple[int, ...], pairs: bool, weight_dtype, h
     the output; a tile's group picks its stack, whose loop alone runs.
     Where the blocks tile the stack whole (`whole_tiles`, every DeepSeek shape), weight and scale loads go
     unmasked: no per-element predicates in the loop that streams the bytes. Output row r reads x's row
-    r // repeat (row_groups [M, R]: each of x's rows serves R output rows). `interleave` (G, rows): no table;
-    tile t holds group t % G's rows from token BLOCK_M * (t // G) on, G apart."""
+    r // repeat (row_groups [M, R]: each of x's rows serves R output rows). `tiling`: ("table",) a tile's group,
+    first and end row from the table's three arrays; ("rows",) tile t is row t, of the group its one array names;
+    ("interleaved", G, rows) no array: tile t holds group t % G's rows from token BLOCK_M * (t // G) on, G apart."""
     tile, split = pl.program_id(0), pl.program_id(2)
-    if interleave is None:
+    stride = 1
+    if tiling[0] == "table":
         group_ref, first_ref, end_ref, x_ref, *refs = refs
-        group, first, end, stride = group_ref[tile], first_ref[tile], end_ref[tile], 1
+        group, first, end = group_ref[tile], first_ref[tile], end_ref[tile]
+    elif tiling[0] == "rows":
+        group_ref, x_ref, *refs = refs
+        group, first, end = group_ref[tile], tile, tile + 1
     else:
         x_ref, *refs = refs
-        stride, rows = interleave
+        _, stride, rows = tiling
         group = tile % stride
         first = group + (tile // stride) * BLOCK_M * stride
         end = jnp.minimum(first + BLOCK_M * stride, rows)
