@@ -139,7 +139,8 @@ _jitted_tile_table = jax.jit(tile_table, static_argnums=1)
 @given(st.lists(st.integers(0, 3 * BLOCK_M), min_size=1, max_size=12), st.integers(0, 5))
 def test_the_tile_table_covers_each_row_once_within_its_group(sizes, spare_rows):
     rows = sum(sizes) + spare_rows
-    group, first, end = map(np.asarray, _jitted_tile_table(jnp.asarray(sizes, jnp.int32), max(rows, 1)))
+    group, first, end, total = map(np.asarray, _jitted_tile_table(jnp.asarray(sizes, jnp.int32), max(rows, 1)))
+    assert total == sum(sizes)
     assert len(group) == max_tiles(max(rows, 1), len(sizes))
     owner = np.repeat(np.arange(len(sizes)), sizes)
     covered = np.zeros(rows, int)

@@ -33,12 +33,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], group_siz
     _check_inputs(x, stacks, group_sizes, row_groups, scales, block, norm, interleaved)
     if kernels.use_grouped_matmul_kernel(fp8=stacks[0].dtype.itemsize == 1, rows=x.shape[0],
                                          groups=group_count(stacks)):
-        out = grouped_matmul_triton(x, w, group_sizes, row_groups=row_groups, scale=scale, block=block,
-                                    config=config, fp8_rows=kernels.fp8_activations, norm=norm,
-                                    interleaved=interleaved, interpret=kernels.interpret)
-        if row_groups is not None or interleaved:
-            return out
-        return jnp.where((jnp.arange(x.shape[0]) < group_sizes.sum())[:, None], out, 0)
+        return grouped_matmul_triton(x, w, group_sizes, row_groups=row_groups, scale=scale, block=block,
+                                     config=config, fp8_rows=kernels.fp8_activations, norm=norm,
+                                     interleaved=interleaved, interpret=kernels.interpret)
     x = x if norm is None else rms_norm(x, *norm)
     joined = jnp.concatenate(stacks) if len(stacks) > 1 else stacks[0]
     joined_scale = jnp.concatenate(scales) if len(stacks) > 1 and scales[0] is not None else scales[0]

@@ -111,9 +111,10 @@ def planned_tiles(groups: int) -> int:
     return 1 if groups == 1 else min(groups, PLANNED_EXPERT_TILES)
 
 
-def tile_table(group_sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def tile_table(group_sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(group, first row, end row) of each of `max_tiles(rows, groups)` tiles: each group's rows cut into runs of
-    BLOCK_M; the tiles past the last one are empty (end == first).
+    BLOCK_M; the tiles past the last one are empty (end == first); and the rows the tiles cover (sum of the sizes,
+    from the same sums: no reduction of its own to launch).
     Broadcast compares and sums only: searchsorted's default method is a while loop (in a V3 decode step, 54
     device-to-device copies of its loop state) and cumsum a sequential reduce_window on GPUs
     (benchmarks/RESULTS.md, "V3's FP8 step with fewer launches")."""
@@ -127,7 +128,7 @@ def tile_table(group_sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array,
                         groups - 1).astype(jnp.int32)
     first = row_end[group] - sizes[group] + (tile - tile_end[group] + tiles_per_group[group]) * BLOCK_M
     end = jnp.where(tile < tile_end[-1], jnp.minimum(row_end[group], first + BLOCK_M), first)
-    return group, first, end
+    return group, first, end, row_end[-1]
 
 
 def _inclusive_sums(values: jax.Array) -> jax.Array:
@@ -160,8 +161,7 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], gr
                           block: tuple[int, int] | None = None, config: GroupedMatmulConfig | None = None,
                           fp8_rows: bool = False, norm: tuple[jax.Array, float] | None = None,
                           interleaved: bool = False, interpret: bool = False) -> jax.Array:
-    """specjax.kernels.grouped_matmul_reference, as one kernel (rows past sum(group_sizes) are left unwritten;
-    the dispatcher zeroes them). row_groups instead of group_sizes: one tile per row, no table to compute, each
+    """specjax.kernels.grouped_matmul_reference, as one kernel (rows past sum(group_sizes) zero). row_groups instead of group_sizes: one tile per row, no table to compute, each
     row's matrix read once per row (for rows of distinct groups, such as one token's experts, the same bytes);
     row_groups [M, R]: R output rows (tiles) per row of x, which each tile reads itself (no repeated copy of x).
     interleaved instead: row r of group r % G (T tokens of one row per group, token-major; one group: the rows in
@@ -202,7 +202,7 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], gr
     elif row_groups is not None:   # tile t: row t (an index array built beside the call is a launch on GPUs)
         tiling, tiles, tile_count = ("rows",), (row_groups.reshape(-1).astype(jnp.int32),), rows
     else:
-        tiling, tiles = ("table",), tile_table(group_sizes, rows)
+        tiling, (*tiles, covered) = ("table",), tile_table(group_sizes, rows)
         tile_count = tiles[0].shape[0]
     args = [*tiles, x, *stored] + [a for a in (*scales, unscale) if a is not None]
     kernel = functools.partial(
@@ -222,7 +222,8 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], gr
         interpret=interpret,
         name="specjax_grouped_matmul",
     )(*args)
-    return functools.reduce(jnp.add, list(partials)).astype(out_dtype)   # in split order: one rounding, always
+    out = functools.reduce(jnp.add, list(partials)).astype(out_dtype)   # in split order: one rounding, always
+    return jnp.where((jnp.arange(rows) < covered)[:, None], out, 0) if tiling[0] == "table" else out
 
 
 def f16_rows(x: jax.Array, interpret: bool = False,
