@@ -145,8 +145,7 @@ def _grouped_experts(x, ids, weights, experts, block, kernels: KernelPolicy | No
         into, within, slots = dict(row_groups=ids), dict(row_groups=flat_ids), x
     else:
         order = jnp.argsort(flat_ids, stable=True)
-        into = within = dict(group_sizes=jnp.bincount(flat_ids, length=group_count(experts["we_gate"])).astype(
-            jnp.int32))
+        into = within = dict(group_sizes=_slots_per_expert(flat_ids, group_count(experts["we_gate"])))
         slots = x[order // k]
     if kernels is None:
         stacks = dict(zip(EXPERT_LEAVES, _stacks(experts, block, x.dtype)))
@@ -162,6 +161,12 @@ def _grouped_experts(x, ids, weights, experts, block, kernels: KernelPolicy | No
     if not in_slot_order:
         out = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
     return _combine(out.reshape(num_tokens, k, -1), weights, x.dtype)
+
+
+def _slots_per_expert(flat_ids: jax.Array, experts: int) -> jax.Array:
+    """int32 [E] counts of each expert among the slots, as one compare-and-sum (bincount's zeros and scatter-add
+    are two launches on GPUs)."""
+    return (flat_ids[:, None] == jnp.arange(experts, dtype=flat_ids.dtype)[None, :]).sum(axis=0, dtype=jnp.int32)
 
 
 def _gathered_experts(x, ids, weights, experts, block) -> jax.Array:
