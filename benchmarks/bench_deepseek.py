@@ -12,8 +12,9 @@ cache, over the copy bandwidth measured in the same process.
         [--forms kernel,xla,fp8_rows,head_kernel] [--batches B ...] [--profile] [--target h200]
 
 (--forms: which forms v3_step and v2_e2e time: the grouped matmul kernel, XLA's with it off, the kernel on FP8 rows
-(fp8_rows), the kernel with MLA's per-head products in it too (head_kernel); default kernel,xla. --profile: v3_step also traces 5 steps of the kernel form at each batch, v2_e2e
-its plain loops, and writes where the device time goes, per kernel kind.)
+(fp8_rows), the kernel with MLA's per-head products in it too (head_kernel); default kernel,xla. --profile:
+v3_step also traces 5 steps of the kernel form at each batch, v2_e2e its plain loops, and writes where the device
+time goes, per kernel kind.)
 
 (v2_transformers, transformers' own V2-Lite as the peer, runs in a child process first. --target h200 runs
 nothing: it compiles v3_step's kernel form for an H200 on this host, from shapes alone (no weights are made), and

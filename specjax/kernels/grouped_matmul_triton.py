@@ -161,8 +161,9 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], gr
                           block: tuple[int, int] | None = None, config: GroupedMatmulConfig | None = None,
                           fp8_rows: bool = False, norm: tuple[jax.Array, float] | None = None,
                           interleaved: bool = False, interpret: bool = False) -> jax.Array:
-    """specjax.kernels.grouped_matmul_reference, as one kernel (rows past sum(group_sizes) zero). row_groups instead of group_sizes: one tile per row, no table to compute, each
-    row's matrix read once per row (for rows of distinct groups, such as one token's experts, the same bytes);
+    """specjax.kernels.grouped_matmul_reference, as one kernel (rows past sum(group_sizes) zero). row_groups
+    instead of group_sizes: one tile per row, no table to compute, each row's matrix read once per row (for rows
+    of distinct groups, such as one token's experts, the same bytes);
     row_groups [M, R]: R output rows (tiles) per row of x, which each tile reads itself (no repeated copy of x).
     interleaved instead: row r of group r % G (T tokens of one row per group, token-major; one group: the rows in
     order); a tile holds up to BLOCK_M of one group's rows, G apart, so each matrix is read once per BLOCK_M
@@ -402,12 +403,10 @@ def _grouped_kernel(*refs, starts: tuple[int, ...], pairs: bool, weight_dtype, h
             plt.store(out_ref.at[split, row[:, None], cols[None, :]], total.astype(out_ref.dtype),
                       mask=row_ok[:, None] & (cols < out_features)[None, :])
 
-    if len(starts) == 1:
-        pl.when(first < end)(lambda: run(w_refs[0], scale_refs[0], group))
-        return
-    bounds = [*starts[1:], None]
-    for w_ref, scale_ref, lo, hi in zip(w_refs, scale_refs, starts, bounds):
-        mine = (first < end) & (group >= lo) & (True if hi is None else group < hi)
+    for w_ref, scale_ref, lo, hi in zip(w_refs, scale_refs, starts, [*starts[1:], None]):
+        mine = first < end   # a stack's bounds tested only where another stack lies beside it
+        mine = mine if lo == 0 else mine & (group >= lo)
+        mine = mine if hi is None else mine & (group < hi)
         pl.when(mine)(functools.partial(run, w_ref, scale_ref, group - lo))
 
 
