@@ -42,7 +42,9 @@ FORMS = {"kernel": ("grouped", KernelPolicy(interpret=interpret_kernels())),
 # the bf16 rows as they are, True as scaled float16 (the default); k_splits: K cut into that many programs' runs
 # (the default aims at a number of programs per tile)
 SWEEP = dict(block_n=(64, 128, 256), num_warps=(4, 8), num_stages=(2, 3, 4), pairs=(False, True), f16_rows=(False, True),
-             k_splits=(None, 1, 2, 4, 8))
+             k_splits=(None, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32))
+# The row counts the single matrices are swept at: a decode step's at batch 1 and 8.
+SINGLE_ROWS = (1, 8)
 
 
 def experts_of(shape: dict, seed: int = 0) -> dict[str, jax.Array]:
@@ -94,29 +96,31 @@ def form_rows(shapes: dict, tokens_list, bandwidth: float) -> list[dict]:
     return rows
 
 
-def sweep_cases(shape: dict) -> list[dict]:
+def sweep_cases(shape: dict, matrices: tuple[str, ...] | None = None) -> list[dict]:
     """The kernel's calls in a V3 step: the routed gate ([7168, 2048]) and down ([2048, 7168]) matmuls at one
     token's 8 slots (in slot order, as a batch-1 step runs them: the gate from the token's one row, the down
-    projection from its 8 hidden rows) and at 8 tokens' 64 (sorted), and the FP8
-    projections as one group at one row: q_a and kv_a side by side (wqkv_a), q_b, o_proj, the dense layer's gate,
-    the shared expert's gate."""
+    projection from its 8 hidden rows) and at 8 tokens' 64 (sorted), and the FP8 projections as one group (rows in
+    order, as fp8.linear calls them) at 1 and 8 rows: q_a and kv_a side by side (wqkv_a), q_b, o_proj, the dense
+    layer's gate, the shared expert's gate. `matrices`: only the calls of these matrices."""
     experts = experts_of(shape)
     ids, _ = routing_of(shape, 1, 8)
-    cases = [dict(matrix="we_gate", rows=1, w=experts["we_gate"], scale=experts["we_gate_scale"], row_groups=ids),
+    cases = [dict(matrix="we_gate", rows=1, w=experts["we_gate"], scale=experts["we_gate_scale"],
+                  call=dict(row_groups=ids)),
              dict(matrix="we_down", rows=ids.size, w=experts["we_down"], scale=experts["we_down_scale"],
-                  row_groups=ids[0])]
+                  call=dict(row_groups=ids[0]))]
     ids, _ = routing_of(shape, 8, 64)
     sizes = jnp.bincount(ids.reshape(-1), length=shape["experts"]).astype(jnp.int32)
-    cases += [dict(matrix=name, rows=ids.size, w=experts[name], scale=experts[name + "_scale"], group_sizes=sizes)
-              for name in ("we_gate", "we_down")]
+    cases += [dict(matrix=name, rows=ids.size, w=experts[name], scale=experts[name + "_scale"],
+                   call=dict(group_sizes=sizes)) for name in ("we_gate", "we_down")]
     H = shape["hidden"]
     singles = {"wqkv_a": (H, 1536 + 576), "wq_b": (1536, 24576), "wo": (16384, H), "w_gate": (H, 18432),
                "ws_gate": (H, shape["inter"])}
     for index, (name, (rows, cols)) in enumerate(singles.items()):
-        single = experts_of(dict(shape, experts=1, hidden=rows, inter=cols), seed=index + 1)
-        cases.append(dict(matrix=name, rows=1, w=single["we_gate"], scale=single["we_gate_scale"],
-                          group_sizes=jnp.ones((1,), jnp.int32)))
-    return cases
+        if matrices is None or name in matrices:
+            single = experts_of(dict(shape, experts=1, hidden=rows, inter=cols), seed=index + 1)
+            cases += [dict(matrix=name, rows=tokens, w=single["we_gate"], scale=single["we_gate_scale"],
+                           call=dict(interleaved=True)) for tokens in SINGLE_ROWS]
+    return [case for case in cases if matrices is None or case["matrix"] in matrices]
 
 
 def device_times(run, calls: int = 5) -> tuple[float, float]:
@@ -129,25 +133,29 @@ def device_times(run, calls: int = 5) -> tuple[float, float]:
     return busy_ns(kernels) / calls / 1e6, own / calls / 1e6
 
 
-def sweep_rows(shape: dict, bandwidth: float, axes: tuple[str, ...] = tuple(SWEEP)) -> list[dict]:
+def sweep_rows(shape: dict, bandwidth: float, axes: tuple[str, ...] = tuple(SWEEP),
+               matrices: tuple[str, ...] | None = None) -> list[dict]:
     """Launch parameters of the kernel on each of sweep_cases over `axes` of SWEEP (the others the default
     config's), against the floor (the selected matrices' bytes)."""
     rows = []
-    for case in sweep_cases(shape):
+    for case in sweep_cases(shape, matrices):
         w, scale = case["w"], case["scale"]
-        groups = {key: case[key] for key in ("group_sizes", "row_groups") if key in case}
+        call = case["call"]
         x = random_init.normal(jax.random.key(case["rows"]), (case["rows"], w.shape[1]), jnp.bfloat16, scale=1.0)
-        want = grouped_matmul_reference(x, w, **groups, scale=scale, block=FP8_BLOCK)
-        selected = (jnp.unique(case["row_groups"]).size if "row_groups" in case
-                    else int((case["group_sizes"] > 0).sum()))
+        reference_groups = (dict(group_sizes=jnp.full((1,), case["rows"], jnp.int32)) if "interleaved" in call
+                            else call)   # one group's rows in order: the group's sorted rows
+        want = grouped_matmul_reference(x, w, **reference_groups, scale=scale, block=FP8_BLOCK)
+        selected = (jnp.unique(call["row_groups"]).size if "row_groups" in call
+                    else int((call["group_sizes"] > 0).sum()) if "group_sizes" in call else 1)
         floor_ms = 1e3 * selected * (w[0].nbytes + scale[0].nbytes) / bandwidth
         for config in swept_configs(default_config(w.shape[0], w.dtype.itemsize), SWEEP, axes):
             if config.pairs is False and needs_pairs(w):   # its offsets need pairs
                 continue
-            fn = jax.jit(lambda x, w, scale, groups, config=config: grouped_matmul(
-                x, w, **groups, scale=scale, block=FP8_BLOCK, config=config))
-            got = fn(x, w, scale, groups)
-            device_ms, kernel_ms = device_times(lambda: fn(x, w, scale, groups))
+            fn = jax.jit(lambda x, w, scale, arrays, config=config: grouped_matmul(
+                x, w, **arrays, scale=scale, block=FP8_BLOCK, config=config, interleaved="interleaved" in call))
+            arrays = {key: value for key, value in call.items() if key != "interleaved"}
+            got = fn(x, w, scale, arrays)
+            device_ms, kernel_ms = device_times(lambda: fn(x, w, scale, arrays))
             row = dict(matrix=case["matrix"], rows=case["rows"], **{axis: getattr(config, axis) for axis in SWEEP},
                        device_ms=device_ms, kernel_ms=kernel_ms, of_floor=floor_ms / kernel_ms,
                        device_of_floor=floor_ms / device_ms, rel_err=relative_error(got, want))
@@ -160,6 +168,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_sweep_arguments(parser, SWEEP)
     parser.add_argument("--shapes", default=",".join(SHAPES), help="the forms' shapes: " + ", ".join(SHAPES))
+    parser.add_argument("--sweep-matrices", help="sweep only these calls' matrices (comma list; default all): "
+                        "we_gate, we_down, wqkv_a, wq_b, wo, w_gate, ws_gate")
     parser.add_argument("--smoke", action="store_true", help="tiny experts, to check the script")
     args = parser.parse_args()
     axes = swept_axes(parser, args, SWEEP)
@@ -171,7 +181,8 @@ def main() -> None:
         print("wrote", write_json("bench_grouped_matmul", form_rows(shapes, tokens, bandwidth)))
     if args.sweep or args.sweep_only:
         shape = (SMOKE_SHAPES if args.smoke else SHAPES)["v3_fp8"]
-        print("wrote", write_json("bench_grouped_matmul_sweep", sweep_rows(shape, bandwidth, axes)))
+        print("wrote", write_json("bench_grouped_matmul_sweep", sweep_rows(
+            shape, bandwidth, axes, args.sweep_matrices and tuple(args.sweep_matrices.split(",")))))
 
 
 if __name__ == "__main__":
