@@ -29,7 +29,8 @@ REAL_MODEL = ("bench_default_model", "bench_eagle")
 # Scripts of the default model whose smoke runs check the script, not the model: the 4-layer chat model instead.
 ON_TINY_CHAT_MODEL = ("bench_admission", "bench_stream")
 # Extra arguments per script: bench_sweep's smoke run takes its profiling path too, bench_grouped_matmul's a sweep.
-ARGS = {"bench_sweep": ["--profile"], "bench_grouped_matmul": ["--sweep", "--sweep-over", "f16_rows"]}
+ARGS = {"bench_sweep": ["--profile"],
+        "bench_grouped_matmul": ["--sweep", "--sweep-over", "f16_rows", "--sweep-matrices", "we_gate,wqkv_a"]}
 # Extra environment per script: bench_tp splits its model over two (simulated) CPU devices.
 ENV = {"bench_tp": {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}}
 TIMEOUT_S = 600
@@ -63,7 +64,7 @@ EXPECTED_ROWS = {
     "bench_sweep": {"bench_sweep": ("engine", ["plain", "k=1 forced", "k=2 forced", "auto k<=2"])},
     "bench_policy": {"bench_policy": ("case", ["AL 1.2", "AL 1.5", "AL 2.0", "AL 3.0", "geometric 0.6"])},
     "bench_grouped_matmul": {"bench_grouped_matmul": ("form", ["kernel", "xla gathered", "xla ragged_dot"] * 2),
-                             "bench_grouped_matmul_sweep": ("f16_rows", [False, True] * 9)},
+                             "bench_grouped_matmul_sweep": ("f16_rows", [False, True] * 4)},
     "bench_latent_attention": {"bench_latent_attention": ("form", ["kernel", "xla"])},
     "bench_prefill": {"bench_prefill": ("shape", ["8b", "smollm2"]), "bench_prefill_model": ("tokens", [16, 32])},
 }
