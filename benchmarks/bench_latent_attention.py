@@ -9,7 +9,7 @@ time comes from a profiler trace. `--sweep` times launch parameters at a few sha
 1024 among them) over every axis of SWEEP or those `--sweep-over` names (the others as the default config has them).
 
     PYTHONPATH=. python benchmarks/bench_latent_attention.py [--tokens T] [--sweep | --sweep-only]
-        [--sweep-over AXES] [--smoke]
+        [--sweep-over AXES] [--sweep-at HEADSxBATCHxCONTEXT,...] [--smoke]
 
 Writes $OUT/bench_latent_attention.json (and bench_latent_attention_sweep.json) and prints each row as it comes.
 """
@@ -120,6 +120,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_sweep_arguments(parser, SWEEP)
     parser.add_argument("--tokens", type=int, default=1, help="query tokens per row (a verify pass: k + 1)")
+    parser.add_argument("--sweep-at", help="the sweep's shapes as HEADSxBATCHxCONTEXT, comma-separated (default: "
+                        + ",".join("x".join(map(str, shape)) for shape in SWEEP_SHAPES) + ")")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script")
     args = parser.parse_args()
     axes = swept_axes(parser, args, SWEEP)
@@ -129,7 +131,8 @@ def main() -> None:
         print("wrote", write_json("bench_latent_attention", form_rows(
             SMOKE_SHAPES if args.smoke else SHAPES, bandwidth, args.smoke, args.tokens)))
     if args.sweep or args.sweep_only:
-        shapes = ((4, 2, 64),) if args.smoke else SWEEP_SHAPES
+        shapes = ((4, 2, 64),) if args.smoke else SWEEP_SHAPES if not args.sweep_at else tuple(
+            tuple(int(n) for n in shape.split("x")) for shape in args.sweep_at.split(","))
         print("wrote", write_json("bench_latent_attention_sweep", sweep_rows(shapes, bandwidth, args.smoke,
                                                                              args.tokens, axes)))
 
