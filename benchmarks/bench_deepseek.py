@@ -9,10 +9,11 @@ the batch selects (counted by routing random hidden states through each MoE laye
 cache, over the copy bandwidth measured in the same process.
 
     PYTHONPATH=. python benchmarks/bench_deepseek.py [--suites v3_step,v2_e2e,mtp,v2_transformers] [--smoke]
-        [--forms kernel,xla,fp8_rows,head_kernel] [--batches B ...] [--profile] [--target h200]
+        [--forms kernel,xla,fp8_rows,head_kernel,programsN] [--batches B ...] [--profile] [--target h200]
 
 (--forms: which forms v3_step and v2_e2e time: the grouped matmul kernel, XLA's with it off, the kernel on FP8 rows
-(fp8_rows), the kernel with MLA's per-head products in it too (head_kernel); default kernel,xla. --profile:
+(fp8_rows), the kernel with MLA's per-head products in it too (head_kernel), the kernel with each single FP8
+projection's K split aiming at N programs (programsN); default kernel,xla. --profile:
 v3_step also traces 5 steps of the kernel form at each batch, v2_e2e its plain loops, and writes where the device
 time goes, per kernel kind.)
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -134,14 +136,23 @@ def form_subjects(cfg: DeepseekConfig, target, forms: tuple[str, ...]) -> dict:
     """The target under each of `forms`: "kernel" as built, "xla" the same weights with the experts and the
     few-row projections compiled by XLA (the grouped matmul kernel off), "fp8_rows" the kernel multiplying FP8
     stacks by rows quantized to FP8 (KernelPolicy.fp8_activations; the same as "kernel" for a bf16 model),
-    "head_kernel" the kernel running MLA's W_UK / W_UV products too (KernelPolicy.head_matmul_max_tokens)."""
+    "head_kernel" the kernel running MLA's W_UK / W_UV products too (KernelPolicy.head_matmul_max_tokens),
+    "programsN" the kernel with each single FP8 projection's K split aiming at N programs
+    (KernelPolicy.projection_programs)."""
     def under(policy: KernelPolicy):
         graph = nnx.graphdef(nnx.eval_shape(lambda: FAMILY.random(cfg, dtype=jnp.bfloat16, kernels=policy)))
         return subject(cfg, graph, target.state)
     makers = {"kernel": lambda: target, "xla": lambda: under(KernelPolicy(grouped_matmul_kernel=False)),
               "fp8_rows": lambda: under(KernelPolicy(fp8_activations=True)),
               "head_kernel": lambda: under(KernelPolicy(head_matmul_max_tokens=64))}
-    return {form: makers[form]() for form in forms}
+    return {form: makers[form]() if form in makers else under(KernelPolicy(projection_programs=programs_of(form)))
+            for form in forms}
+
+
+def programs_of(form: str) -> int | None:
+    """N of a "programsN" form (None for any other name)."""
+    match = re.fullmatch(r"programs([1-9]\d*)", form)
+    return int(match.group(1)) if match else None
 
 
 STEPS_TRACED = 5
@@ -315,7 +326,7 @@ def main(argv=None) -> None:
     parser.add_argument("--suites", default=",".join(SUITES))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, batch 1, to check the script on CPU")
     parser.add_argument("--forms", default=",".join(DEFAULT_FORMS),
-                        help="v3_step's and v2_e2e's forms: kernel, xla, fp8_rows, head_kernel")
+                        help="v3_step's and v2_e2e's forms: kernel, xla, fp8_rows, head_kernel, programsN")
     parser.add_argument("--batches", type=int, nargs="+", help="batch sizes (default: 1 8 32 128 for v3_step, 1 8 "
                         "for the V2-Lite suites; --smoke: 1)")
     parser.add_argument("--profile", action="store_true", help="trace the kernel form's steps (v3_step) or loops "
@@ -332,8 +343,8 @@ def main(argv=None) -> None:
         write_json("bench_deepseek_v3_target", rows)
         return
     forms = tuple(args.forms.split(","))
-    if not set(forms) <= set(FORMS):
-        raise SystemExit(f"--forms: {args.forms!r}; choose from {', '.join(FORMS)}")
+    if not all(form in FORMS or programs_of(form) for form in forms):
+        raise SystemExit(f"--forms: {args.forms!r}; choose from {', '.join(FORMS)} or programsN (N a count)")
     sizes = SMOKE_SIZES if args.smoke else dataclasses.replace(Sizes(), new_tokens=128)
     suites = args.suites.split(",")
     if "v2_transformers" in suites:   # PyTorch in a process of its own, before JAX takes the GPU's memory here

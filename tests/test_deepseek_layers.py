@@ -579,6 +579,43 @@ def test_fp8_linear_through_the_kernel_matches_fp8_matmul(tokens):
     assert linear_kernel_calls(weights, block, x.size // 300) == 1 and linear_kernel_calls(weights, block, block[0]) == 0
 
 
+@pytest.mark.parametrize("programs, splits", [(None, 4), (1, 1), (4, 2)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_policy_sets_the_programs_an_fp8_projections_k_split_aims_for(programs, splits, rows):
+    """KernelPolicy.projection_programs: K's 4 chunks split for that many programs over the matrix's 2 column
+    blocks (the default aims at about four per SM: 4 splits), the same split at any row count, and the product
+    still fp8_matmul's."""
+    block = (128, 128)
+    q, scale_inv = quantize_blocks_numpy(random_weight((256, 512)), block)
+    weights = {"w": jnp.asarray(q.T), "w_scale": jnp.asarray(scale_inv.T)}
+    x = jnp.asarray(np.random.default_rng(10).standard_normal((rows, 512)), jnp.float32)
+    policy = KernelPolicy(interpret=True, projection_programs=programs)
+    with jax.default_matmul_precision("highest"):
+        want = fp8.fp8_matmul(x, weights["w"], weights["w_scale"], block)
+    got = fp8.linear(x, weights, "w", block, policy)
+    assert relative_error(got, np.asarray(want, np.float64)) < 1e-6
+    jaxpr = jax.make_jaxpr(lambda x: fp8.linear(x, weights, "w", block, policy))(x).jaxpr
+    assert [shape[0] for shape in pallas_output_shapes(jaxpr)] == [splits]
+
+
+def test_a_programs_target_must_be_positive():
+    with pytest.raises(ValueError, match="projection_programs"):
+        KernelPolicy(projection_programs=0)
+
+
+def pallas_output_shapes(jaxpr) -> list[tuple[int, ...]]:
+    """The output shapes of the Pallas calls in a jaxpr, nested jaxprs included."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            shapes += [tuple(var.aval.shape) for var in eqn.outvars]
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                shapes += pallas_output_shapes(inner)
+    return shapes
+
+
 def linear_kernel_calls(weights, block, rows: int) -> int:
     """Pallas calls in fp8.linear's program for `rows` rows of 300 features under an interpreting kernel policy."""
     linear = jax.make_jaxpr(lambda x: fp8.linear(x, weights, "w", block, KernelPolicy(interpret=True)))

@@ -102,15 +102,16 @@ def test_any_split_of_k_gives_the_product(k_splits):
     assert relative_error(got, oracle(x, w, SIZES, scale, block)) < 1e-5
 
 
+@pytest.mark.parametrize("target", [None, 132, 1056])
 @pytest.mark.parametrize("groups", [1, 8, 64, 256])
 @pytest.mark.parametrize("column_blocks, k_chunks", [(16, 56), (56, 16), (4, 56), (192, 12), (1, 1)])
-def test_k_splits_fill_the_target_programs_without_passing_them(groups, column_blocks, k_chunks):
+def test_k_splits_fill_the_target_programs_without_passing_them(groups, column_blocks, k_chunks, target):
     tiles = planned_tiles(groups)
     assert tiles == (1 if groups == 1 else min(groups, grouped_matmul_triton_module.PLANNED_EXPERT_TILES))
-    splits = default_k_splits(column_blocks, k_chunks, tiles)
+    programs = target or grouped_matmul_triton_module._TARGET_PROGRAMS
+    splits = default_k_splits(column_blocks, k_chunks, tiles, programs)
     per_split = -(-k_chunks // splits)
     assert 1 <= splits <= k_chunks and -(-k_chunks // per_split) == splits   # whole chunks, none idle
-    programs = grouped_matmul_triton_module._TARGET_PROGRAMS
     assert tiles * column_blocks * splits <= max(programs, tiles * column_blocks)
     if splits < k_chunks:   # one more split would not have passed the target by much
         assert tiles * column_blocks * (splits + 1) > programs // 2

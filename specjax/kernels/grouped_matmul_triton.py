@@ -69,7 +69,8 @@ class GroupedMatmulConfig:
     block_k: int = 128      # a scaled stack's K chunk is its scale block, whatever this says
     num_warps: int = 4
     num_stages: int = 3
-    k_splits: int | None = None   # None: default_k_splits
+    k_splits: int | None = None   # None: default_k_splits, aiming at target_programs
+    target_programs: int | None = None   # None: _TARGET_PROGRAMS
     pairs: bool | None = None     # a 1-byte stack read as uint16 column pairs; None: wherever columns are even
     f16_rows: bool | None = None  # bf16 rows as scaled float16 against a 1-byte stack; None: wherever they meet
 
@@ -96,11 +97,11 @@ def needs_pairs(w: jax.Array) -> bool:
     return w.dtype.itemsize == 1 and 2 ** 31 <= w.size <= 2 ** 32
 
 
-def default_k_splits(column_blocks: int, k_chunks: int, tiles: int = 1) -> int:
-    """Splits of K for `tiles` row tiles' programs to come near _TARGET_PROGRAMS without passing it (more,
+def default_k_splits(column_blocks: int, k_chunks: int, tiles: int = 1, target: int = _TARGET_PROGRAMS) -> int:
+    """Splits of K for `tiles` row tiles' programs to come near `target` programs without passing it (more,
     shorter programs lost on an H100: RESULTS.md, "The grouped kernel's launch parameters with float16 rows"),
     whole chunks each, at most one split per chunk."""
-    wanted = min(k_chunks, max(1, _TARGET_PROGRAMS // (tiles * column_blocks)))
+    wanted = min(k_chunks, max(1, target // (tiles * column_blocks)))
     return -(-k_chunks // -(-k_chunks // wanted))
 
 
@@ -195,7 +196,8 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], gr
     block_k = block[0] if scale is not None else config.block_k
     column_blocks, k_chunks = pl.cdiv(stored[0].shape[2], block_n), pl.cdiv(in_features, block_k)
     splits = 1 if rows > MAX_SPLIT_ROWS else config.k_splits or default_k_splits(
-        column_blocks, k_chunks, groups if interleaved else planned_tiles(groups))   # interleaved: a tile per group
+        column_blocks, k_chunks, groups if interleaved else planned_tiles(groups),   # interleaved: a tile per group
+        config.target_programs or _TARGET_PROGRAMS)
     chunks_per_split = pl.cdiv(k_chunks, splits)
     splits = pl.cdiv(k_chunks, chunks_per_split)
     if interleaved:

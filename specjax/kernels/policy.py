@@ -64,12 +64,19 @@ class KernelPolicy:
     # (rows interleaved by head) up to this many tokens a call; 0: XLA's batched products (not yet timed against
     # them on a GPU: bench_deepseek.py's "head_kernel" form sets 64).
     head_matmul_max_tokens: int = 0
+    # Programs a single FP8 projection's K split aims for in the grouped matmul kernel (None: the kernel's
+    # default, about four per SM); a function of the weight's shape alone, so decode and verify still round alike
+    # (not yet timed against the default on a GPU: bench_deepseek.py's "programsN" forms set N).
+    projection_programs: int | None = None
     # MoE routing (scores, group limit, top-k, weights) as one kernel per call, where XLA's ops launch about ten.
     routing_kernel: bool = True
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
             raise ValueError(f"kernel impl must be one of {IMPLS}, got {self.impl!r}")
+        if self.projection_programs is not None and self.projection_programs < 1:
+            raise ValueError(f"KernelPolicy.projection_programs must be a positive program count or None (the "
+                             f"kernel's default), got {self.projection_programs}")
 
     def mode(self) -> Literal["reference", "triton", "auto"]:
         """How a single-device kernel may run here: "reference" when forced so, under tensor parallelism (the

@@ -10,6 +10,7 @@ and its scale grid both transposed (as loaders transpose every matrix).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Mapping
 
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.kernels.grouped_matmul import grouped_matmul
+from specjax.kernels.grouped_matmul_triton import GroupedMatmulConfig, default_config
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.projection_reference import rms_norm
 
@@ -80,12 +82,19 @@ def linear(x: jax.Array, weights: Mapping[str, jax.Array], name: str, block: tup
     if in_kernel(tokens, fp8, block, kernels):
         out = grouped_matmul(x.reshape(tokens, -1), weights[name][None], interleaved=True,   # one group: no table
                              scale=scale[None] if fp8 else None, block=block if fp8 else None, kernels=kernels,
-                             norm=norm)
+                             norm=norm, config=_projection_config(weights[name], kernels))
         return out.reshape(*x.shape[:-1], -1)
     x = x if norm is None else rms_norm(x, *norm)
     if not fp8:
         return x @ weights[name]
     return fp8_matmul(x, weights[name], scale, block)
+
+
+def _projection_config(w: jax.Array, kernels: KernelPolicy) -> GroupedMatmulConfig | None:
+    """The kernel's launch parameters for one FP8 matrix under `kernels` (None: the kernel's defaults)."""
+    if kernels.projection_programs is None or w.dtype.itemsize != 1:
+        return None
+    return dataclasses.replace(default_config(1, 1), target_programs=kernels.projection_programs)
 
 
 def in_kernel(tokens: int, fp8: bool, block: tuple[int, int] | None, kernels: KernelPolicy) -> bool:
