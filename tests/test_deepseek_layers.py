@@ -679,6 +679,18 @@ def test_fp8_experts_through_the_grouped_kernel_match_the_dequantized_gathered_f
         assert relative_error(got, np.asarray(want, np.float64)) < 1e-6
 
 
+@pytest.mark.parametrize("slots, compared", [(40, True), (40, False), (1, True)])
+def test_the_slots_sort_plan_is_a_stable_sort_by_expert(monkeypatch, slots, compared):
+    """The slots' sorted order and each slot's place in it (ties kept in slot order), by pairwise compares up to
+    the bound and by sorting past it: a stable argsort and its inverse."""
+    monkeypatch.setattr(moe, "_COMPARE_SORT_MAX_SLOTS", 4096 if compared else slots - 1)
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, 6, slots), jnp.int32)   # many ties
+    order, rank = jax.jit(moe._sort_plan)(ids)
+    want = np.argsort(np.asarray(ids), kind="stable")
+    np.testing.assert_array_equal(order, want)
+    np.testing.assert_array_equal(rank, np.argsort(want))
+
+
 def fp8_shared_expert(rng, H: int, I: int, block: tuple[int, int]) -> dict:
     """One random FP8 SwiGLU shared expert (ws_gate, ws_up, ws_down and their scales) of intermediate size I."""
     return {name.replace("we_", "ws_"): leaf[0] for name, leaf in fp8_experts(rng, 1, H, I, block).items()}
