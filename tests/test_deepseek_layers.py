@@ -32,7 +32,9 @@ from transformers import modeling_rope_utils as rope_utils
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
 from specjax.kernels import attention_reference
+from specjax.kernels.grouped_matmul_triton import f16_rows
 from specjax.kernels.moe_routing_reference import within_top_groups
+from specjax.kernels.projection_reference import rms_norm
 from specjax.kernels.policy import KernelPolicy
 from specjax.models import fp8, mla, moe, random_init, rope
 
@@ -753,6 +755,46 @@ def test_a_shared_expert_of_one_experts_shape_joins_the_routed_launches(tokens):
     assert counts == [3, 6]
     # A prefill's many tokens keep the shared expert's own GEMM (it reads each matrix once, the kernel per 16 rows).
     assert [moe._joins(experts, shared, n, block, kernels) for n in (block[0] - 1, block[0])] == [True, False]
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_the_moe_blocks_norm_gives_the_router_and_the_experts_the_same_rows(tokens):
+    """moe(h, norm=...) on bf16 rows against FP8 experts (a shared one joined): under a kernel policy the router
+    and the experts read the rows one f16_rows launch normalised (moe on those rows, normalised already, gives the
+    same bits; XLA's rms_norm launches nothing here), off the kernels moe(rms_norm(h))."""
+    E, H, I, block = 8, 256, 128, (128, 128)
+    rng = np.random.default_rng(12)
+    weights = {**fp8_experts(rng, E, H, I, block), **fp8_shared_expert(rng, H, I, block),
+               "w_router": jnp.asarray(rng.standard_normal((H, E)), jnp.float32)}
+    routing = moe.Routing(3, "softmax", "greedy")
+    h = jnp.asarray(rng.standard_normal((tokens, H)), jnp.bfloat16)
+    norm = (jnp.asarray(rng.uniform(0.5, 2.0, H), jnp.bfloat16), 1e-6)
+    kernels = KernelPolicy(interpret=True)
+    block_moe = jax.jit(lambda h, normalise, kernels: moe.moe(h, weights, routing, kernels=kernels, block=block,
+                                                              norm=norm if normalise else None), static_argnums=(1, 2))
+    normalised = f16_rows(h, interpret=True, norm=norm, keep_normalised=True)[2]
+    np.testing.assert_array_equal(np.asarray(block_moe(h, True, kernels), np.float32),
+                                  np.asarray(block_moe(normalised, False, kernels), np.float32))
+    program = jax.make_jaxpr(lambda h: moe.moe(h, weights, routing, kernels=kernels, block=block, norm=norm))(h)
+    assert "rsqrt" not in primitives_outside_kernels(program.jaxpr)   # the norm only inside f16_rows
+    reference = KernelPolicy(impl="reference")
+    # (to bf16 rounding: XLA may keep a fused norm's rows wider than bf16)
+    want = np.asarray(block_moe(rms_norm(h, *norm), False, reference), np.float64)
+    assert relative_error(block_moe(h, True, reference), want) < 2e-2
+
+
+def primitives_outside_kernels(jaxpr) -> set[str]:
+    """The primitives of a jaxpr and its nested jaxprs, but not those inside Pallas calls."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                names |= primitives_outside_kernels(inner)
+    return names
 
 
 def test_random_weights_larger_than_a_slice_are_drawn_in_slices(monkeypatch):

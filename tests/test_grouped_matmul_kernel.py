@@ -3,6 +3,7 @@ FP8 stacks, the tile table, row independence (what exact speculation needs), row
 the dispatcher's choice, bad input."""
 from __future__ import annotations
 
+import functools
 import types
 
 import jax
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specjax.kernels import grouped_matmul_triton as grouped_matmul_triton_module
-from specjax.kernels.grouped_matmul import grouped_matmul
+from specjax.kernels.grouped_matmul import ScaledRows, grouped_matmul, prepared_rows
 from specjax.kernels.grouped_matmul_reference import grouped_matmul_reference
 from specjax.kernels.grouped_matmul_triton import (BLOCK_M, GroupedMatmulConfig, default_k_splits,
                                                    default_pairs, f16_rows, grouped_matmul_triton, max_tiles,
@@ -331,6 +332,59 @@ def test_f16_rows_normalise_the_rows_as_rms_norm_does(block, monkeypatch):
     assert (got == want)[np.abs(want) >= 2.0 ** -28 * amax].mean() > 0.99
     with pytest.raises(ValueError, match="must not widen"):
         f16_rows(x, interpret=True, norm=(weight.astype(jnp.float32), 1e-6))
+
+
+def test_f16_rows_keep_the_normalised_rows_they_scale():
+    """keep_normalised: the normalised rows in x's dtype as a third output, the very values the float16 rows hold
+    scaled (exactly, but for elements below 2^-28 of the row's largest); a norm is needed for it."""
+    x = rows_across_magnitudes(12, 6, 300)
+    weight = jnp.asarray(np.random.default_rng(13).uniform(0.5, 2.0, 300), jnp.bfloat16)
+    x16, unscale, normalised = f16_rows(x, interpret=True, norm=(weight, 1e-6), keep_normalised=True)
+    assert normalised.dtype == jnp.bfloat16 and normalised.shape == x.shape
+    kept = np.asarray(normalised, np.float64)
+    back = np.asarray(x16, np.float64) * np.asarray(unscale, np.float64)[:, None]
+    large = np.abs(kept) >= 2.0 ** -28 * np.abs(kept).max(axis=1, keepdims=True)
+    np.testing.assert_array_equal(back[large], kept[large])
+    np.testing.assert_array_equal(np.asarray(x16), np.asarray(f16_rows(x, interpret=True, norm=(weight, 1e-6))[0]))
+    with pytest.raises(ValueError, match="keep_normalised needs a norm"):
+        f16_rows(x, interpret=True, keep_normalised=True)
+
+
+@pytest.mark.parametrize("policy", [INTERPRET, KernelPolicy(impl="reference")])
+def test_prepared_rows_give_what_the_rows_and_their_norm_give(policy):
+    """prepared_rows: the normalised rows and, where the kernel takes bf16 rows as float16, the same as ScaledRows
+    from one launch; grouped_matmul on them equals grouped_matmul on the rows with the norm, bit for bit, and
+    the ScaledRows refuse a norm of their own."""
+    k, n, block = 256, 64, (128, 32)
+    w, scale = make_stack(14, len(SIZES), k, n, jnp.bfloat16, block)
+    x = make_rows(15, sum(SIZES), k, jnp.bfloat16)
+    norm = (jnp.asarray(np.random.default_rng(16).uniform(0.5, 2.0, k), jnp.bfloat16), 1e-6)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    normalised, rows = prepared_rows(x, norm, w, rows=x.shape[0], groups=w.shape[0], kernels=policy)
+    assert isinstance(rows, ScaledRows) == (policy is INTERPRET)
+    run = functools.partial(grouped_matmul, w=w, group_sizes=sizes, scale=scale, block=block, kernels=policy)
+    np.testing.assert_array_equal(np.asarray(run(rows), np.float32), np.asarray(run(x, norm=norm), np.float32))
+    if policy is INTERPRET:
+        np.testing.assert_array_equal(np.asarray(run(rows), np.float32), np.asarray(run(normalised), np.float32))
+        with pytest.raises(ValueError, match="no norm left to apply"):
+            run(rows, norm=norm)
+
+
+@pytest.mark.parametrize("per_row", [1, 3])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rows_read_through_an_index_equal_the_sorted_copy(per_row, dtype):
+    """row_index (with group_sizes): sorted row r is x[row_index[r] // per_row] read in the kernel, bit for bit
+    the product of the gathered copy; an index that is not a multiple of x's rows long is refused."""
+    k, n, block = CASES[0]
+    w, scale = make_stack(17, len(SIZES), k, n, dtype, block)
+    x = make_rows(18, sum(SIZES) // per_row, k, dtype)   # 39 slots: 39 rows of one, 13 of three
+    index = jnp.asarray(np.random.default_rng(19).permutation(sum(SIZES)), jnp.int32)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    got = grouped_matmul(x, w, sizes, row_index=index, scale=scale, block=block, kernels=INTERPRET)
+    want = grouped_matmul(x[index // per_row], w, sizes, scale=scale, block=block, kernels=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(ValueError, match="row_index must be integers"):
+        grouped_matmul(x, w, sizes, row_index=index[:-1], scale=scale, block=block, kernels=INTERPRET)
 
 
 @pytest.mark.parametrize("pairs", [True, False])

@@ -16,7 +16,7 @@ import pytest
 from jax._src.pallas.triton import pallas_call_registration as registration
 
 from specjax.kernels.attention_triton import attention_triton
-from specjax.kernels.grouped_matmul_triton import default_config, grouped_matmul_triton
+from specjax.kernels.grouped_matmul_triton import ScaledRows, default_config, f16_rows, grouped_matmul_triton
 from specjax.kernels.moe_routing_reference import Routing
 from specjax.kernels.moe_routing_triton import select_experts_triton
 from specjax.kernels.projection_triton import projection_triton
@@ -133,6 +133,23 @@ def test_grouped_matmul_kernel_lowers(triton_modules, rows, shape, fp8_rows, pai
     lower_for_cuda(lambda x, w, s, g: grouped_matmul_triton(x, w, g, scale=s, block=(128, 128), config=config,
                                                             fp8_rows=fp8_rows),
                    x, w, scale, jnp.zeros((groups,), jnp.int32))
+    assert_verified(triton_modules)
+
+
+def test_grouped_matmul_lowers_on_prepared_rows_read_through_an_index(triton_modules):
+    """A MoE layer's sorted slots at verify sizes: 8 tokens' rows normalised and scaled once (f16_rows keeping
+    the normalised rows), their 64 top-8 slots read through the sort's order."""
+    x, norm = jnp.zeros((8, 256), jnp.bfloat16), jnp.ones((256,), jnp.bfloat16)
+    w = jnp.zeros((16, 256, 256), jnp.float8_e4m3fn)
+    scale = jnp.ones((16, 2, 2), jnp.float32)
+
+    def layer(x, norm, w, scale, sizes, order):
+        values, unscale, normalised = f16_rows(x, norm=(norm, 1e-6), keep_normalised=True)
+        out = grouped_matmul_triton(ScaledRows(values, unscale), w, sizes, row_index=order, scale=scale,
+                                    block=(128, 128))
+        return out, normalised
+
+    lower_for_cuda(layer, x, norm, w, scale, jnp.zeros((16,), jnp.int32), jnp.zeros((64,), jnp.int32))
     assert_verified(triton_modules)
 
 

@@ -7,14 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.kernels.grouped_matmul_reference import grouped_matmul_reference
-from specjax.kernels.grouped_matmul_triton import (GroupedMatmulConfig, as_stacks, group_count,
-                                                   grouped_matmul_triton)
+from specjax.kernels.grouped_matmul_triton import (GroupedMatmulConfig, ScaledRows, as_stacks, f16_rows,
+                                                   group_count, grouped_matmul_triton, takes_f16_rows)
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.projection_reference import rms_norm
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], group_sizes: jax.Array | None = None, *,
-                   row_groups: jax.Array | None = None, scale: jax.Array | tuple[jax.Array, ...] | None = None,
+def grouped_matmul(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Array, ...],
+                   group_sizes: jax.Array | None = None, *,
+                   row_groups: jax.Array | None = None, row_index: jax.Array | None = None, scale: jax.Array | tuple[jax.Array, ...] | None = None,
                    block: tuple[int, int] | None = None, kernels: KernelPolicy = KernelPolicy(),
                    config: GroupedMatmulConfig | None = None,
                    norm: tuple[jax.Array, float] | None = None, interleaved: bool = False) -> jax.Array:
@@ -23,19 +24,27 @@ def grouped_matmul(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], group_siz
     kernel tile per row: for rows of distinct groups), or row_groups [M, R] naming R groups for each row (out
     [M * R, N], its row m * R + r x[m] @ w[row_groups[m, r]]: one token's experts from its one row), or
     `interleaved`: row r times w[r % G] (T tokens of a row per group, token-major: MLA's per-head products, or a
-    single matrix's rows in order; no table, sort or transpose to launch); with `scale`
+    single matrix's rows in order; no table, sort or transpose to launch); group_sizes with row_index [R] (R a
+    multiple of M): the sorted rows are x[row_index // (R / M)] (slots of x's rows, R / M of each: read through
+    the index, not copied); with `scale`
     [G, ceil(K/b0), ceil(N/b1)] (block b = `block`) w holds FP8 codes and each block's partial product is scaled.
     w (and scale) may be a tuple of stacks alike but for their group counts, numbered on as one concatenation
     (the kernel reads each where it lies; elsewhere they are concatenated). norm (weight [K], eps):
-    rms_norm(x, weight, eps) multiplied instead (inside the kernel's row scaling where it runs). Output in the
-    (normalised) rows' dtype."""
+    rms_norm(x, weight, eps) multiplied instead (inside the kernel's row scaling where it runs). x may be
+    ScaledRows (`prepared_rows`: bf16 rows already as the kernel takes them). Output in the (normalised) rows'
+    dtype."""
     stacks, scales = as_stacks(w, scale)
-    _check_inputs(x, stacks, group_sizes, row_groups, scales, block, norm, interleaved)
+    _check_inputs(x.values if isinstance(x, ScaledRows) else x, stacks, group_sizes, row_groups, scales, block,
+                  norm, interleaved)
+    _check_row_index(row_index, group_sizes, x.shape[0])
     if kernels.use_grouped_matmul_kernel(fp8=stacks[0].dtype.itemsize == 1, rows=x.shape[0],
                                          groups=group_count(stacks)):
-        return grouped_matmul_triton(x, w, group_sizes, row_groups=row_groups, scale=scale, block=block,
+        return grouped_matmul_triton(x, w, group_sizes, row_groups=row_groups, row_index=row_index, scale=scale,
+                                     block=block,
                                      config=config, fp8_rows=kernels.fp8_activations, norm=norm,
                                      interleaved=interleaved, interpret=kernels.interpret)
+    x = x.bf16() if isinstance(x, ScaledRows) else x
+    x = x if row_index is None else x[row_index // (row_index.shape[0] // x.shape[0])]
     x = x if norm is None else rms_norm(x, *norm)
     joined = jnp.concatenate(stacks) if len(stacks) > 1 else stacks[0]
     joined_scale = jnp.concatenate(scales) if len(stacks) > 1 and scales[0] is not None else scales[0]
@@ -46,6 +55,20 @@ def grouped_matmul(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], group_siz
         out = grouped_matmul_reference(x[by_group], joined, sizes, scale=joined_scale, block=block)
         return out[np.argsort(by_group)]
     return grouped_matmul_reference(x, joined, group_sizes, row_groups=row_groups, scale=joined_scale, block=block)
+
+
+def prepared_rows(x: jax.Array, norm: tuple[jax.Array, float], w: jax.Array, *, rows: int, groups: int,
+                  kernels: KernelPolicy = KernelPolicy()) -> tuple[jax.Array, jax.Array | ScaledRows]:
+    """rms_norm(x, *norm) for several grouped_matmul calls on stacks like `w` (of `groups` groups, over `rows`
+    rows) and another reader: (the normalised rows in x's dtype, the rows to pass those calls). Where the calls'
+    kernel takes bf16 rows as scaled float16, both come from one launch (the second as ScaledRows); elsewhere
+    both are the normalised rows."""
+    if (kernels.use_grouped_matmul_kernel(fp8=w.dtype.itemsize == 1, rows=rows, groups=groups)
+            and takes_f16_rows(x.dtype, w, kernels.fp8_activations)):
+        values, unscale, normalised = f16_rows(x, kernels.interpret, norm, keep_normalised=True)
+        return normalised, ScaledRows(values, unscale)
+    normalised = rms_norm(x, *norm)
+    return normalised, normalised
 
 
 def _check_inputs(x, stacks, group_sizes, row_groups, scales, block, norm, interleaved) -> None:
@@ -84,6 +107,16 @@ def _check_inputs(x, stacks, group_sizes, row_groups, scales, block, norm, inter
             if scale.shape != expected:
                 raise ValueError(f"grouped_matmul: scale must be {list(expected)} for w {list(stack.shape)} in "
                                  f"blocks of {list(block)}, got {list(scale.shape)}")
+
+
+def _check_row_index(row_index, group_sizes, rows: int) -> None:
+    if row_index is None:
+        return
+    if group_sizes is None:
+        raise ValueError("grouped_matmul: row_index reads rows sorted by group: pass it with group_sizes")
+    if row_index.ndim != 1 or not jnp.issubdtype(row_index.dtype, jnp.integer) or row_index.shape[0] % rows:
+        raise ValueError(f"grouped_matmul: row_index must be integers [R], R a multiple of x's {rows} rows, got "
+                         f"{row_index.dtype}{list(row_index.shape)}")
 
 
 def _check_groups(x, stacks, group_sizes, row_groups) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,23 @@ MAX_SPLIT_ROWS = 4096
 PLANNED_EXPERT_TILES = 16
 # The widest block of a row f16_rows loads at once.
 F16_ROWS_BLOCK = 32768
+
+
+class ScaledRows(NamedTuple):
+    """bf16 rows as the kernel multiplies them against a 1-byte stack (`f16_rows`): float16 values [M, K], each row
+    scaled by a power of two, and the powers of two that undo it [M] (float32). Made once (with a norm: beside the
+    normalised rows themselves) for several calls on the same rows; the products are the bf16 rows'."""
+
+    values: jax.Array
+    unscale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    def bf16(self) -> jax.Array:
+        """The bf16 rows back (exact but for elements below 2^-28 of their row's largest)."""
+        return (self.values.astype(jnp.float32) * self.unscale[:, None]).astype(jnp.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +174,9 @@ def group_count(w) -> int:
     return sum(stack.shape[0] for stack in as_stacks(w)[0])
 
 
-def grouped_matmul_triton(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], group_sizes: jax.Array | None = None,
-                          *, row_groups: jax.Array | None = None,
+def grouped_matmul_triton(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Array, ...],
+                          group_sizes: jax.Array | None = None,
+                          *, row_groups: jax.Array | None = None, row_index: jax.Array | None = None,
                           scale: jax.Array | tuple[jax.Array, ...] | None = None,
                           block: tuple[int, int] | None = None, config: GroupedMatmulConfig | None = None,
                           fp8_rows: bool = False, norm: tuple[jax.Array, float] | None = None,
@@ -166,6 +185,9 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], gr
     instead of group_sizes: one tile per row, no table to compute, each row's matrix read once per row (for rows
     of distinct groups, such as one token's experts, the same bytes);
     row_groups [M, R]: R output rows (tiles) per row of x, which each tile reads itself (no repeated copy of x).
+    row_index [R] (with group_sizes): output row r multiplies x's row row_index[r] // (R / M), R a multiple of x's
+    M rows: slots sorted by group through their index (R / M slots per row of x: a token's top-k), where a sorted
+    copy of x, and of its float16 scales, would take launches of their own.
     interleaved instead: row r of group r % G (T tokens of one row per group, token-major; one group: the rows in
     order); a tile holds up to BLOCK_M of one group's rows, G apart, so each matrix is read once per BLOCK_M
     tokens, with no table and no transposes around the call.
@@ -173,23 +195,29 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], gr
     concatenated (a MoE layer's routed experts and its shared expert in one launch), each read where it lies.
     fp8_rows: a 1-byte stack multiplies rows quantized to e4m3 per K chunk.
     norm (weight [K], eps): the rows RMS-normalised first (projection_reference.rms_norm), inside f16_rows'
-    launch where the rows go as float16."""
+    launch where the rows go as float16. x as ScaledRows: bf16 rows already so (a 1-byte stack; no norm)."""
     stacks, scales = as_stacks(w, scale)
     w, scale = stacks[0], scales[0]
     starts = tuple(int(start) for start in np.cumsum([0] + [stack.shape[0] for stack in stacks[:-1]]))
     groups, out_features = group_count(stacks), w.shape[2]
     config = config or default_config(groups, w.dtype.itemsize)
     fp8_rows = fp8_rows and w.dtype.itemsize == 1
-    out_dtype = x.dtype if norm is None else jnp.result_type(x.dtype, norm[0].dtype)   # the multiplied rows'
+    scaled = isinstance(x, ScaledRows)
+    out_dtype = (jnp.bfloat16 if scaled else x.dtype if norm is None
+                 else jnp.result_type(x.dtype, norm[0].dtype))   # the multiplied rows'
     as_f16 = _as_f16(out_dtype, w, config, fp8_rows)
+    if scaled and (not as_f16 or norm is not None):
+        raise ValueError("grouped_matmul: ScaledRows are rows the kernel takes as float16 against a 1-byte stack "
+                         "(config.f16_rows not False, no fp8_rows) with no norm left to apply")
     if norm is not None and not as_f16:   # no launch of the rows' own to normalise them in
         x, norm = rms_norm(x, *norm), None
-    repeat = 1 if row_groups is None or row_groups.ndim == 1 else row_groups.shape[1]
+    repeat = (row_index.shape[0] // x.shape[0] if row_index is not None
+              else 1 if row_groups is None or row_groups.ndim == 1 else row_groups.shape[1])
     rows, in_features = x.shape[0] * repeat, x.shape[1]
     precision = lax.Precision.HIGHEST if out_dtype == jnp.float32 else lax.Precision.DEFAULT
     unscale = None
     if as_f16:
-        x, unscale = f16_rows(x, interpret, norm)
+        x, unscale = x if scaled else f16_rows(x, interpret, norm)
     pairs = all(_read_as_pairs(stack, config) for stack in stacks)
     stored = tuple(_as_pairs(stack) if pairs else stack for stack in stacks)
     block_n = config.block_n // 2 if pairs else config.block_n
@@ -207,11 +235,12 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], gr
     else:
         tiling, (*tiles, covered) = ("table",), tile_table(group_sizes, rows)
         tile_count = tiles[0].shape[0]
-    args = [*tiles, x, *stored] + [a for a in (*scales, unscale) if a is not None]
+    indices = () if row_index is None else (row_index.astype(jnp.int32),)
+    args = [*tiles, *indices, x, *stored] + [a for a in (*scales, unscale) if a is not None]
     kernel = functools.partial(
         _grouped_kernel, starts=starts, pairs=pairs, weight_dtype=w.dtype, has_scale=scale is not None,
         has_unscale=unscale is not None, in_features=in_features, out_features=out_features, block_k=block_k,
-        block_n=block_n, chunks_per_split=chunks_per_split, repeat=repeat,
+        block_n=block_n, chunks_per_split=chunks_per_split, repeat=repeat, indexed=row_index is not None,
         whole_tiles=in_features % block_k == 0 and stored[0].shape[2] % block_n == 0, fp8_rows=fp8_rows,
         scale_block_n=block[1] if scale is not None else 1, precision=precision,
         tiling=tiling)
@@ -229,38 +258,46 @@ def grouped_matmul_triton(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], gr
     return jnp.where((jnp.arange(rows) < covered)[:, None], out, 0) if tiling[0] == "table" else out
 
 
-def f16_rows(x: jax.Array, interpret: bool = False,
-             norm: tuple[jax.Array, float] | None = None) -> tuple[jax.Array, jax.Array]:
+def f16_rows(x: jax.Array, interpret: bool = False, norm: tuple[jax.Array, float] | None = None,
+             keep_normalised: bool = False) -> tuple[jax.Array, ...]:
     """Rows [M, K] as float16, each times the power of two that puts its largest magnitude in [2^14, 2^15), and
     the powers of two that undo it [M] (float32), in one launch (a program per row: its largest magnitude, then
     the scaled copy; XLA's fusions made three). Rows below 2^-112 keep a smaller largest value, so that both
     factors stay normal float32. norm (weight [K] of x's dtype, eps): the rows of rms_norm(x, weight, eps)
-    instead, normalised in the same launch (the norm's own two launches saved)."""
+    instead, normalised in the same launch (the norm's own two launches saved); keep_normalised: those rows in
+    x's dtype too, a third output (for another reader of them, such as a MoE router)."""
     if norm is not None and jnp.result_type(x.dtype, norm[0].dtype) != x.dtype:
         raise ValueError(f"f16_rows: the norm weight's dtype {norm[0].dtype} must not widen the rows' {x.dtype}")
+    if keep_normalised and norm is None:
+        raise ValueError("f16_rows: keep_normalised needs a norm (without one the rows are x itself)")
     rows, in_features = x.shape
     # A row of up to 32768 values is one block, loaded at once: a chunk loop's loads wait on each other, and
     # at one row (a decode step) the launch is that one program.
     block_k = min(F16_ROWS_BLOCK, pl.next_power_of_2(in_features))
     args = (x,) if norm is None else (x, norm[0])
+    out_shape = [jax.ShapeDtypeStruct(x.shape, jnp.float16), jax.ShapeDtypeStruct((rows,), jnp.float32)]
+    out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype)] if keep_normalised else []
     return pl.pallas_call(
-        functools.partial(_f16_rows_kernel, block_k=block_k, eps=None if norm is None else float(norm[1])),
+        functools.partial(_f16_rows_kernel, block_k=block_k, eps=None if norm is None else float(norm[1]),
+                          keep_normalised=keep_normalised),
         grid=(rows,),
         in_specs=[pl.BlockSpec() for _ in args],
-        out_specs=[pl.BlockSpec(), pl.BlockSpec()],
-        out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float16), jax.ShapeDtypeStruct((rows,), jnp.float32)],
+        out_specs=[pl.BlockSpec() for _ in out_shape],
+        out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=min(16, max(4, block_k // 1024)), num_stages=1),
         interpret=interpret,
         name="specjax_f16_rows",
     )(*args)
 
 
-def _f16_rows_kernel(x_ref, *refs, block_k: int, eps: float | None) -> None:
+def _f16_rows_kernel(x_ref, *refs, block_k: int, eps: float | None, keep_normalised: bool) -> None:
     """One row (normalised first when eps is given: its mean square over K, then each value as rms_norm rounds
     it): the largest magnitude over K in chunks, its float32 exponent field E (largest < 2^(E-126)), then the
-    row times 2^(141-E) as float16 and 2^(E-141) stored to undo it, both built from their bits."""
+    row times 2^(141-E) as float16 and 2^(E-141) stored to undo it, both built from their bits (and the
+    normalised row itself where kept)."""
     norm_ref = refs[0] if eps is not None else None
-    out_ref, unscale_ref = refs[-2:]
+    normalised_ref = refs[-1] if keep_normalised else None
+    out_ref, unscale_ref = refs[-3:-1] if keep_normalised else refs[-2:]
     row, in_features = pl.program_id(0), x_ref.shape[1]
     chunks = pl.cdiv(in_features, block_k)
 
@@ -295,16 +332,24 @@ def _f16_rows_kernel(x_ref, *refs, block_k: int, eps: float | None) -> None:
     def store(c, carry):
         ks, ok, values = row_values(c)
         plt.store(out_ref.at[row, ks], (values * scale).astype(jnp.float16), mask=ok)
+        if normalised_ref is not None:
+            plt.store(normalised_ref.at[row, ks], values.astype(normalised_ref.dtype), mask=ok)
         return carry
 
     lax.fori_loop(0, chunks, store, 0)
     unscale_ref[row] = lax.bitcast_convert_type((field - 14) << 23, jnp.float32)
 
 
+def takes_f16_rows(dtype, w: jax.Array, fp8_rows: bool) -> bool:
+    """Whether the kernel's default takes rows of `dtype` against `w` as scaled float16: bf16 rows and a 1-byte
+    stack (not under fp8_rows, which quantizes them instead)."""
+    return dtype == jnp.bfloat16 and w.dtype.itemsize == 1 and not fp8_rows
+
+
 def _as_f16(dtype, w: jax.Array, config: GroupedMatmulConfig, fp8_rows: bool) -> bool:
-    """Whether rows of `dtype` go to the kernel as scaled float16: config.f16_rows, or by default where bf16 rows
-    meet a 1-byte stack (not under fp8_rows, which quantizes them instead)."""
-    meets = dtype == jnp.bfloat16 and w.dtype.itemsize == 1 and not fp8_rows
+    """Whether rows of `dtype` go to the kernel as scaled float16: config.f16_rows, or by default
+    (takes_f16_rows)."""
+    meets = takes_f16_rows(dtype, w, fp8_rows)
     if config.f16_rows and not meets:
         raise ValueError(f"GroupedMatmulConfig.f16_rows=True needs bfloat16 rows and a 1-byte stack (fp8_rows off), "
                          f"got {jnp.dtype(dtype)} rows and a {w.dtype} stack")
@@ -335,7 +380,8 @@ def _as_pairs(w: jax.Array) -> jax.Array:
 
 def _grouped_kernel(*refs, starts: tuple[int, ...], pairs: bool, weight_dtype, has_scale: bool,
                     has_unscale: bool, in_features: int, out_features: int, block_k: int, block_n: int,
-                    chunks_per_split: int, repeat: int, whole_tiles: bool, fp8_rows: bool, scale_block_n: int,
+                    chunks_per_split: int, repeat: int, indexed: bool, whole_tiles: bool, fp8_rows: bool,
+                    scale_block_n: int,
                     precision: lax.Precision, tiling: tuple) -> None:
     """One (tile, column block, K split): nothing for an empty tile; else the K loop over the split's chunks of
     dots (one per column phase: even and odd columns of a pair view), scaled per block, and one masked store per
@@ -344,14 +390,17 @@ def _grouped_kernel(*refs, starts: tuple[int, ...], pairs: bool, weight_dtype, h
     the output; a tile's group picks its stack, whose loop alone runs.
     Where the blocks tile the stack whole (`whole_tiles`, every DeepSeek shape), weight and scale loads go
     unmasked: no per-element predicates in the loop that streams the bytes. Output row r reads x's row
-    r // repeat (row_groups [M, R]: each of x's rows serves R output rows). `tiling`: ("table",) a tile's group,
+    r // repeat (row_groups [M, R]: each of x's rows serves R output rows), where `indexed` the index array's
+    (before x among `refs`) entry r // repeat. `tiling`: ("table",) a tile's group,
     first and end row from the table's three arrays; ("rows",) tile t is row t, of the group its one array names;
     ("interleaved", G, rows) no array: tile t holds group t % G's rows from token BLOCK_M * (t // G) on, G apart."""
     tile, split = pl.program_id(0), pl.program_id(2)
     stride = 1
+    index_ref = None
     if tiling[0] == "table":
-        group_ref, first_ref, end_ref, x_ref, *refs = refs
+        group_ref, first_ref, end_ref, *refs = refs
         group, first, end = group_ref[tile], first_ref[tile], end_ref[tile]
+        index_ref, x_ref, *refs = refs if indexed else (None, *refs)
     elif tiling[0] == "rows":
         group_ref, x_ref, *refs = refs
         group, first, end = group_ref[tile], tile, tile + 1
@@ -371,7 +420,8 @@ def _grouped_kernel(*refs, starts: tuple[int, ...], pairs: bool, weight_dtype, h
     out_cols = [stored_col * phases + phase for phase in range(phases)]
     row = first + lax.broadcasted_iota(jnp.int32, (BLOCK_M,), 0) * stride
     row_ok = row < end
-    x_row = row if repeat == 1 else lax.div(row, repeat)
+    source = plt.load(index_ref.at[row], mask=row_ok, other=0) if index_ref is not None else row
+    x_row = source if repeat == 1 else lax.div(source, repeat)
 
     def run(w_ref, scale_ref, local):
         def accumulate(chunk, totals):

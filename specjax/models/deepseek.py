@@ -479,8 +479,8 @@ def decoder_layer(h: jax.Array, latent: jax.Array, w: Mapping[str, jax.Array], i
                                  kernels=kernels, norm=(w["attn_norm"], cfg.rms_norm_eps))
     h = h + attn
     norm = (w["mlp_norm"], cfg.rms_norm_eps)
-    if moe_layer:   # the router reads the normalised rows too
-        return h + moe(rms_norm(h, *norm), w, cfg.routing, kernels=kernels, block=cfg.block), latent
+    if moe_layer:
+        return h + moe(h, w, cfg.routing, kernels=kernels, block=cfg.block, norm=norm), latent
     return h + swiglu_mlp(h, w, "w_", cfg.block, kernels, norm=norm), latent
 
 

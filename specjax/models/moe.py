@@ -35,10 +35,11 @@ from jax import lax
 
 from jax.sharding import PartitionSpec as P
 
-from specjax.kernels.grouped_matmul import grouped_matmul, group_count
+from specjax.kernels.grouped_matmul import ScaledRows, grouped_matmul, group_count, prepared_rows
 from specjax.kernels.moe_routing import select_experts
 from specjax.kernels.moe_routing_reference import Routing
 from specjax.kernels.policy import KernelPolicy
+from specjax.kernels.projection_reference import rms_norm
 from specjax.models.fp8 import dequantize_stack, in_kernel, linear
 from specjax.parallel.mesh import Layout, current_layout
 
@@ -58,12 +59,14 @@ def route(x: jax.Array, w_router: jax.Array, router_bias: jax.Array | None, rout
 
 def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: Mapping[str, jax.Array], *,
                    form: str = "auto", block: tuple[int, int] | None = None,
-                   kernels: KernelPolicy = KernelPolicy(), shared: Mapping[str, jax.Array] | None = None) -> jax.Array:
+                   kernels: KernelPolicy = KernelPolicy(), shared: Mapping[str, jax.Array] | None = None,
+                   scaled: ScaledRows | None = None) -> jax.Array:
     """Σ_j weights[n, j] · Expert_{ids[n, j]}(x[n]) for tokens x [N, hidden], in the chosen form (module doc).
     experts: we_gate, we_up, we_down (and their `_scale` leaves with `block`). shared: leaves holding the shared
     experts (ws_*; none there: no shared experts), their output added: where the grouped kernel runs and they
     are one expert's shape (DeepSeek-V3), as one more expert of every token, weight 1, in the routed experts'
-    launches (three launches a layer fewer, its bytes streamed with theirs); else as their own MLP."""
+    launches (three launches a layer fewer, its bytes streamed with theirs); else as their own MLP. scaled: x's
+    rows as the grouped kernel takes them (grouped_matmul.prepared_rows), for its calls."""
     num_slots, num_experts = ids.size, experts["we_gate"].shape[0]
     kernel = kernels.use_grouped_matmul_kernel(fp8=experts["we_gate"].dtype.itemsize == 1, rows=num_slots,
                                               groups=num_experts)
@@ -75,9 +78,10 @@ def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: Ma
     if form == "grouped" and kernel and _joins(experts, shared, x.shape[0], block, kernels):
         joined_ids = jnp.concatenate([ids, jnp.full((ids.shape[0], 1), num_experts, ids.dtype)], axis=1)
         joined_weights = jnp.concatenate([weights, jnp.ones((ids.shape[0], 1), weights.dtype)], axis=1)
-        return _grouped_experts(x, joined_ids, joined_weights, _joined(experts, shared), block, kernels)
+        return _grouped_experts(x, joined_ids, joined_weights, _joined(experts, shared), block, kernels, scaled)
     if form == "grouped":
-        routed = _grouped_experts(x, ids, weights, experts, block, kernels if kernel else None)
+        routed = _grouped_experts(x, ids, weights, experts, block, kernels if kernel else None,
+                                  scaled if kernel else None)
     else:
         routed = forms[form](x, ids, weights, experts, block)
     return routed if shared is None else routed + _shared(x, shared, block, kernels)
@@ -136,20 +140,26 @@ def _ragged_dot_vmap(axis_size: int, in_batched: list[bool], lhs, rhs, group_siz
     return lax.map(lambda per_element: _ragged_dot(*per_element), tuple(args)), True
 
 
-def _grouped_experts(x, ids, weights, experts, block, kernels: KernelPolicy | None = None) -> jax.Array:
+def _grouped_experts(x, ids, weights, experts, block, kernels: KernelPolicy | None = None,
+                     scaled: ScaledRows | None = None) -> jax.Array:
     """Token-slots sorted by expert, grouped matmuls (the Pallas kernel under `kernels`, else ragged_dot over
-    dequantized stacks), then unsorted and combined. One token's slots (a batch-1 decode step) name distinct
-    experts: under `kernels` they stay in their own order, each its own tile (grouped_matmul's row_groups: no sort,
-    count, tile table or unsort to launch; the same bytes read and, row by row, the same products)."""
+    dequantized stacks; of `scaled`, x's rows as the kernel takes them, where given), then unsorted and combined.
+    One token's slots (a batch-1 decode step) name distinct experts: under `kernels` they stay in their own order,
+    each its own tile (grouped_matmul's row_groups: no sort, count, tile table or unsort to launch; the same bytes
+    read and, row by row, the same products)."""
     num_tokens, k = ids.shape
     flat_ids = ids.reshape(-1)
+    rows = x if scaled is None else scaled
     in_slot_order = kernels is not None and num_tokens == 1
     if in_slot_order:   # each of the token's k slot tiles reads its one row (no k-fold copy of it to convert)
-        into, within, slots = dict(row_groups=ids), dict(row_groups=flat_ids), x
+        into, within, slots = dict(row_groups=ids), dict(row_groups=flat_ids), rows
     else:
         order, rank = _sort_plan(flat_ids)
-        into = within = dict(group_sizes=_slots_per_expert(flat_ids, group_count(experts["we_gate"])))
-        slots = x[order // k]
+        within = dict(group_sizes=_slots_per_expert(flat_ids, group_count(experts["we_gate"])))
+        if kernels is None:
+            into, slots = within, x[order // k]
+        else:   # the kernel reads each slot's token row through the order: no sorted copy of the rows
+            into, slots = dict(within, row_index=order), rows
     if kernels is None:
         stacks = dict(zip(EXPERT_LEAVES, _stacks(experts, block, x.dtype)))
 
@@ -213,17 +223,35 @@ def swiglu_mlp(x: jax.Array, weights: Mapping[str, jax.Array], prefix: str,
 
 
 def moe(x: jax.Array, weights: Mapping[str, jax.Array], routing: Routing, *,
-        kernels: KernelPolicy = KernelPolicy(), block: tuple[int, int] | None = None) -> jax.Array:
-    """The MoE block on x [..., hidden]: routed experts plus the shared experts. Traced under a tensor-parallel
-    layout, expert parallel (`_expert_parallel`)."""
+        kernels: KernelPolicy = KernelPolicy(), block: tuple[int, int] | None = None,
+        norm: tuple[jax.Array, float] | None = None) -> jax.Array:
+    """The MoE block on x [..., hidden] (normalised first by norm (weight, eps) where given): routed experts plus
+    the shared experts. Where the grouped kernel takes the rows as scaled float16, the router's normalised rows
+    and the experts' come from one launch. Traced under a tensor-parallel layout, expert parallel
+    (`_expert_parallel`)."""
     tokens = x.reshape(-1, x.shape[-1])
+    tokens, scaled = _normalised(tokens, norm, weights, routing, kernels)
     ids, routing_weights = route(tokens, weights["w_router"], weights.get("router_bias"), routing, kernels)
     layout = current_layout()
     if layout is not None and layout.shards > 1:
         return _expert_parallel(tokens, ids, routing_weights, weights, layout, kernels, block).reshape(x.shape)
     out = routed_experts(tokens, ids, routing_weights, weights, form=kernels.moe_form, block=block, kernels=kernels,
-                         shared=weights)
+                         shared=weights, scaled=scaled)
     return out.reshape(x.shape)
+
+
+def _normalised(tokens: jax.Array, norm: tuple[jax.Array, float] | None, weights: Mapping[str, jax.Array],
+                routing: Routing, kernels: KernelPolicy) -> tuple[jax.Array, ScaledRows | None]:
+    """(the tokens normalised by `norm`, and the same rows as the grouped kernel's calls take them where those
+    are ScaledRows, else None)."""
+    if norm is None:
+        return tokens, None
+    if kernels.moe_form not in ("auto", "grouped"):
+        return rms_norm(tokens, *norm), None
+    experts = weights["we_gate"]
+    normalised, rows = prepared_rows(tokens, norm, experts, rows=tokens.shape[0] * routing.num_experts_per_tok,
+                                     groups=experts.shape[0], kernels=kernels)
+    return normalised, rows if isinstance(rows, ScaledRows) else None
 
 
 def _shared(tokens: jax.Array, weights: Mapping[str, jax.Array], block, kernels: KernelPolicy) -> jax.Array:
