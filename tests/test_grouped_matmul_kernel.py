@@ -370,6 +370,22 @@ def test_prepared_rows_give_what_the_rows_and_their_norm_give(policy):
             run(rows, norm=norm)
 
 
+@pytest.mark.parametrize("policy", [INTERPRET, KernelPolicy(impl="reference")])
+def test_leading_columns_are_the_rows_of_a_wider_array(policy):
+    """leading_columns: x wider than K multiplies its first K columns (read in place by the kernel, with a norm
+    over them alone): bit for bit the product of the slice; an x narrower than K is still refused."""
+    k, n, block = 256, 64, (128, 32)
+    w, scale = make_stack(20, 1, k, n, jnp.bfloat16, block)
+    wide = make_rows(21, 3, k + 72, jnp.bfloat16)
+    norm = (jnp.asarray(np.random.default_rng(22).uniform(0.5, 2.0, k), jnp.bfloat16), 1e-6)
+    run = functools.partial(grouped_matmul, w=w, scale=scale, block=block, kernels=policy, interleaved=True,
+                            norm=norm)
+    np.testing.assert_array_equal(np.asarray(run(wide, leading_columns=True), np.float32),
+                                  np.asarray(run(wide[:, :k]), np.float32))
+    with pytest.raises(ValueError, match="x must be"):
+        run(wide[:, :k - 8], leading_columns=True)
+
+
 @pytest.mark.parametrize("per_row", [1, 3])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_rows_read_through_an_index_equal_the_sorted_copy(per_row, dtype):

@@ -18,7 +18,8 @@ def grouped_matmul(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Array, ..
                    row_groups: jax.Array | None = None, row_index: jax.Array | None = None, scale: jax.Array | tuple[jax.Array, ...] | None = None,
                    block: tuple[int, int] | None = None, kernels: KernelPolicy = KernelPolicy(),
                    config: GroupedMatmulConfig | None = None,
-                   norm: tuple[jax.Array, float] | None = None, interleaved: bool = False) -> jax.Array:
+                   norm: tuple[jax.Array, float] | None = None, interleaved: bool = False,
+                   leading_columns: bool = False) -> jax.Array:
     """x [M, K] @ w[g] row by row for w [G, K, N]: the rows sorted by group with group_sizes [G] rows in each
     (rows past sum(group_sizes) are zero), or in any order with row_groups [M] naming each row's group (one
     kernel tile per row: for rows of distinct groups), or row_groups [M, R] naming R groups for each row (out
@@ -31,11 +32,13 @@ def grouped_matmul(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Array, ..
     w (and scale) may be a tuple of stacks alike but for their group counts, numbered on as one concatenation
     (the kernel reads each where it lies; elsewhere they are concatenated). norm (weight [K], eps):
     rms_norm(x, weight, eps) multiplied instead (inside the kernel's row scaling where it runs). x may be
-    ScaledRows (`prepared_rows`: bf16 rows already as the kernel takes them). Output in the (normalised) rows'
-    dtype."""
+    ScaledRows (`prepared_rows`: bf16 rows already as the kernel takes them). leading_columns: x [M, K'] with K' >=
+    K, its first K columns the rows (read in place where the kernel runs: a slice of them would be a copy). Output
+    in the (normalised) rows' dtype."""
     stacks, scales = as_stacks(w, scale)
-    _check_inputs(x.values if isinstance(x, ScaledRows) else x, stacks, group_sizes, row_groups, scales, block,
-                  norm, interleaved)
+    rows_in = x.values if isinstance(x, ScaledRows) else x
+    _check_inputs(rows_in[:, :stacks[0].shape[1]] if leading_columns and rows_in.ndim == 2 else rows_in, stacks,
+                  group_sizes, row_groups, scales, block, norm, interleaved)
     _check_row_index(row_index, group_sizes, x.shape[0])
     if kernels.use_grouped_matmul_kernel(fp8=stacks[0].dtype.itemsize == 1, rows=x.shape[0],
                                          groups=group_count(stacks)):
@@ -44,6 +47,7 @@ def grouped_matmul(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Array, ..
                                      config=config, fp8_rows=kernels.fp8_activations, norm=norm,
                                      interleaved=interleaved, interpret=kernels.interpret)
     x = x.bf16() if isinstance(x, ScaledRows) else x
+    x = x[:, :stacks[0].shape[1]] if leading_columns else x
     x = x if row_index is None else x[row_index // (row_index.shape[0] // x.shape[0])]
     x = x if norm is None else rms_norm(x, *norm)
     joined = jnp.concatenate(stacks) if len(stacks) > 1 else stacks[0]

@@ -195,7 +195,8 @@ def grouped_matmul_triton(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Ar
     concatenated (a MoE layer's routed experts and its shared expert in one launch), each read where it lies.
     fp8_rows: a 1-byte stack multiplies rows quantized to e4m3 per K chunk.
     norm (weight [K], eps): the rows RMS-normalised first (projection_reference.rms_norm), inside f16_rows'
-    launch where the rows go as float16. x as ScaledRows: bf16 rows already so (a 1-byte stack; no norm)."""
+    launch where the rows go as float16. x as ScaledRows: bf16 rows already so (a 1-byte stack; no norm).
+    x may be wider than K (grouped_matmul's leading_columns): its first K columns are the rows, read in place."""
     stacks, scales = as_stacks(w, scale)
     w, scale = stacks[0], scales[0]
     starts = tuple(int(start) for start in np.cumsum([0] + [stack.shape[0] for stack in stacks[:-1]]))
@@ -209,15 +210,16 @@ def grouped_matmul_triton(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Ar
     if scaled and (not as_f16 or norm is not None):
         raise ValueError("grouped_matmul: ScaledRows are rows the kernel takes as float16 against a 1-byte stack "
                          "(config.f16_rows not False, no fp8_rows) with no norm left to apply")
+    in_features = w.shape[1]
     if norm is not None and not as_f16:   # no launch of the rows' own to normalise them in
-        x, norm = rms_norm(x, *norm), None
+        x, norm = rms_norm(x[:, :in_features], *norm), None
     repeat = (row_index.shape[0] // x.shape[0] if row_index is not None
               else 1 if row_groups is None or row_groups.ndim == 1 else row_groups.shape[1])
-    rows, in_features = x.shape[0] * repeat, x.shape[1]
+    rows = x.shape[0] * repeat
     precision = lax.Precision.HIGHEST if out_dtype == jnp.float32 else lax.Precision.DEFAULT
     unscale = None
     if as_f16:
-        x, unscale = x if scaled else f16_rows(x, interpret, norm)
+        x, unscale = x if scaled else f16_rows(x, interpret, norm, width=in_features)
     pairs = all(_read_as_pairs(stack, config) for stack in stacks)
     stored = tuple(_as_pairs(stack) if pairs else stack for stack in stacks)
     block_n = config.block_n // 2 if pairs else config.block_n
@@ -259,27 +261,28 @@ def grouped_matmul_triton(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Ar
 
 
 def f16_rows(x: jax.Array, interpret: bool = False, norm: tuple[jax.Array, float] | None = None,
-             keep_normalised: bool = False) -> tuple[jax.Array, ...]:
+             keep_normalised: bool = False, width: int | None = None) -> tuple[jax.Array, ...]:
     """Rows [M, K] as float16, each times the power of two that puts its largest magnitude in [2^14, 2^15), and
     the powers of two that undo it [M] (float32), in one launch (a program per row: its largest magnitude, then
     the scaled copy; XLA's fusions made three). Rows below 2^-112 keep a smaller largest value, so that both
     factors stay normal float32. norm (weight [K] of x's dtype, eps): the rows of rms_norm(x, weight, eps)
     instead, normalised in the same launch (the norm's own two launches saved); keep_normalised: those rows in
-    x's dtype too, a third output (for another reader of them, such as a MoE router)."""
+    x's dtype too, a third output (for another reader of them, such as a MoE router). width: the rows are x's
+    first `width` columns (read in place)."""
     if norm is not None and jnp.result_type(x.dtype, norm[0].dtype) != x.dtype:
         raise ValueError(f"f16_rows: the norm weight's dtype {norm[0].dtype} must not widen the rows' {x.dtype}")
     if keep_normalised and norm is None:
         raise ValueError("f16_rows: keep_normalised needs a norm (without one the rows are x itself)")
-    rows, in_features = x.shape
+    rows, in_features = x.shape[0], width or x.shape[1]
     # A row of up to 32768 values is one block, loaded at once: a chunk loop's loads wait on each other, and
     # at one row (a decode step) the launch is that one program.
     block_k = min(F16_ROWS_BLOCK, pl.next_power_of_2(in_features))
     args = (x,) if norm is None else (x, norm[0])
-    out_shape = [jax.ShapeDtypeStruct(x.shape, jnp.float16), jax.ShapeDtypeStruct((rows,), jnp.float32)]
-    out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype)] if keep_normalised else []
+    out_shape = [jax.ShapeDtypeStruct((rows, in_features), jnp.float16), jax.ShapeDtypeStruct((rows,), jnp.float32)]
+    out_shape += [jax.ShapeDtypeStruct((rows, in_features), x.dtype)] if keep_normalised else []
     return pl.pallas_call(
         functools.partial(_f16_rows_kernel, block_k=block_k, eps=None if norm is None else float(norm[1]),
-                          keep_normalised=keep_normalised),
+                          keep_normalised=keep_normalised, in_features=in_features),
         grid=(rows,),
         in_specs=[pl.BlockSpec() for _ in args],
         out_specs=[pl.BlockSpec() for _ in out_shape],
@@ -290,7 +293,8 @@ def f16_rows(x: jax.Array, interpret: bool = False, norm: tuple[jax.Array, float
     )(*args)
 
 
-def _f16_rows_kernel(x_ref, *refs, block_k: int, eps: float | None, keep_normalised: bool) -> None:
+def _f16_rows_kernel(x_ref, *refs, block_k: int, eps: float | None, keep_normalised: bool,
+                     in_features: int) -> None:
     """One row (normalised first when eps is given: its mean square over K, then each value as rms_norm rounds
     it): the largest magnitude over K in chunks, its float32 exponent field E (largest < 2^(E-126)), then the
     row times 2^(141-E) as float16 and 2^(E-141) stored to undo it, both built from their bits (and the
@@ -298,7 +302,7 @@ def _f16_rows_kernel(x_ref, *refs, block_k: int, eps: float | None, keep_normali
     norm_ref = refs[0] if eps is not None else None
     normalised_ref = refs[-1] if keep_normalised else None
     out_ref, unscale_ref = refs[-3:-1] if keep_normalised else refs[-2:]
-    row, in_features = pl.program_id(0), x_ref.shape[1]
+    row = pl.program_id(0)
     chunks = pl.cdiv(in_features, block_k)
 
     def chunk(c):
