@@ -169,5 +169,7 @@ def test_interleaved_grouped_matmul_lowers(triton_modules, tokens, shape):
 ])
 def test_moe_routing_kernel_lowers(triton_modules, tokens, experts, routing, biased):
     bias = jnp.zeros((experts,), jnp.float32) if biased else None
-    lower_for_cuda(lambda logits: select_experts_triton(logits, bias, routing), jnp.zeros((tokens, experts)))
+    always = experts if biased else None   # V3: its shared expert chosen as one more
+    lower_for_cuda(lambda logits: select_experts_triton(logits, bias, routing, always_expert=always),
+                   jnp.zeros((tokens, experts)))
     assert_verified(triton_modules)

@@ -53,6 +53,21 @@ def test_the_kernel_chooses_as_the_reference(seed, layout, method_scoring, tied,
     np.testing.assert_array_equal(np.asarray(alone_weights), np.asarray(got_weights[:1]))
 
 
+@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[3]])
+def test_an_always_chosen_expert_is_one_more_column_of_weight_one(layout):
+    """always_expert (a shared expert run as a routed one): the kernel and the reference append its id with
+    weight 1 to every token's choice, which is otherwise the choice without it, bit for bit."""
+    routing = routing_for(layout, "noaux_tc", "sigmoid", True)
+    logits = jnp.asarray(draw_logits(3, 5, layout[0], False))
+    for select in (lambda *a, **k: select_experts_triton(*a, interpret=True, **k),
+                   lambda *a, **k: select_experts_reference(*a, **k)):
+        ids, weights = select(logits, None, routing)
+        joined_ids, joined_weights = select(logits, None, routing, always_expert=layout[0])
+        np.testing.assert_array_equal(np.asarray(joined_ids[:, :-1]), np.asarray(ids))
+        np.testing.assert_array_equal(np.asarray(joined_weights[:, :-1]), np.asarray(weights))
+        assert (np.asarray(joined_ids[:, -1]) == layout[0]).all() and (np.asarray(joined_weights[:, -1]) == 1).all()
+
+
 @pytest.mark.skipif(not has_kernels(jax.devices()[0]), reason="compiles the Triton kernel (a CUDA GPU)")
 @pytest.mark.parametrize("layout, method, scoring", [((256, 8, 4, 8), "noaux_tc", "sigmoid"),
                                                      ((160, 8, 3, 6), "group_limited_greedy", "softmax")])

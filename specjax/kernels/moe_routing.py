@@ -10,9 +10,12 @@ from specjax.kernels.policy import KernelPolicy
 
 
 def select_experts(logits: jax.Array, bias: jax.Array | None, routing: Routing, *,
-                   kernels: KernelPolicy = KernelPolicy()) -> tuple[jax.Array, jax.Array]:
+                   kernels: KernelPolicy = KernelPolicy(),
+                   always_expert: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Expert ids [N, k] (int32, best first) and weights [N, k] (fp32) for router logits [N, E] (fp32) and the
-    choice-only bias [E] (noaux_tc's e_score_correction_bias, or None): moe_routing_reference's rules."""
+    choice-only bias [E] (noaux_tc's e_score_correction_bias, or None): moe_routing_reference's rules.
+    always_expert: one more column [N, k + 1], that id with weight 1 for every token (a shared expert run as one
+    more routed one)."""
     if logits.ndim != 2 or (bias is not None and bias.shape != logits.shape[1:]):
         raise ValueError(f"select_experts: logits must be [N, E] and bias [E], got logits {list(logits.shape)} and "
                          f"bias {None if bias is None else list(bias.shape)}")
@@ -24,5 +27,5 @@ def select_experts(logits: jax.Array, bias: jax.Array | None, routing: Routing, 
         raise ValueError(f"select_experts: {experts} experts do not split into n_group={routing.n_group} equal "
                          f"groups ({routing.topk_method} ranks groups)")
     if kernels.use_routing_kernel():
-        return select_experts_triton(logits, bias, routing, interpret=kernels.interpret)
-    return select_experts_reference(logits, bias, routing)
+        return select_experts_triton(logits, bias, routing, interpret=kernels.interpret, always_expert=always_expert)
+    return select_experts_reference(logits, bias, routing, always_expert)

@@ -36,13 +36,14 @@ class Routing:
         return self.topk_method in ("noaux_tc", "group_limited_greedy")
 
 
-def select_experts_reference(logits: jax.Array, bias: jax.Array | None,
-                             routing: Routing) -> tuple[jax.Array, jax.Array]:
+def select_experts_reference(logits: jax.Array, bias: jax.Array | None, routing: Routing,
+                             always_expert: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Expert ids [N, k] (int32, best first) and their weights [N, k] (fp32) from router logits [N, E] (fp32):
     scores = sigmoid or softmax of the logits; the choice scores (scores + bias) pick the experts, within the top
     topk_group of n_group groups for the grouped methods (a group's score is the sum of its two best choice
     scores for noaux_tc, its best score for group_limited_greedy); the weights are the unbiased scores of the
-    chosen experts, normalised if norm_topk_prob, times routed_scaling_factor."""
+    chosen experts, normalised if norm_topk_prob, times routed_scaling_factor; always_expert: that id, weight 1,
+    appended to every token's."""
     scores = jax.nn.sigmoid(logits) if routing.scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)
     choice = scores if bias is None else scores + bias.astype(jnp.float32)
     if routing.group_limited:
@@ -51,7 +52,11 @@ def select_experts_reference(logits: jax.Array, bias: jax.Array | None,
     weights = jnp.take_along_axis(scores, ids, axis=-1)
     if routing.norm_topk_prob:
         weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-    return ids.astype(jnp.int32), weights * routing.routed_scaling_factor
+    ids, weights = ids.astype(jnp.int32), weights * routing.routed_scaling_factor
+    if always_expert is None:
+        return ids, weights
+    return (jnp.concatenate([ids, jnp.full((ids.shape[0], 1), always_expert, jnp.int32)], axis=1),
+            jnp.concatenate([weights, jnp.ones((ids.shape[0], 1), weights.dtype)], axis=1))
 
 
 def within_top_groups(choice: jax.Array, routing: Routing) -> jax.Array:

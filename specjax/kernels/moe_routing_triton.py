@@ -20,12 +20,14 @@ from specjax.kernels.moe_routing_reference import Routing
 
 
 def select_experts_triton(logits: jax.Array, bias: jax.Array | None, routing: Routing, *,
-                          interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """select_experts_reference as one kernel: ids [N, k] int32 best first, weights [N, k] fp32."""
+                          interpret: bool = False, always_expert: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """select_experts_reference as one kernel: ids [N, k] int32 best first, weights [N, k] fp32 (k + 1 columns
+    with always_expert, written by the same launch)."""
     tokens, experts = logits.shape
-    k = routing.num_experts_per_tok
+    k = routing.num_experts_per_tok + (always_expert is not None)
     args = [logits.astype(jnp.float32)] + ([] if bias is None else [bias.astype(jnp.float32)])
-    kernel = functools.partial(_routing_kernel, routing=routing, experts=experts, has_bias=bias is not None)
+    kernel = functools.partial(_routing_kernel, routing=routing, experts=experts, has_bias=bias is not None,
+                               always_expert=always_expert)
     return pl.pallas_call(
         kernel,
         grid=(tokens,),
@@ -38,7 +40,8 @@ def select_experts_triton(logits: jax.Array, bias: jax.Array | None, routing: Ro
     )(*args)
 
 
-def _routing_kernel(logits_ref, *refs, routing: Routing, experts: int, has_bias: bool) -> None:
+def _routing_kernel(logits_ref, *refs, routing: Routing, experts: int, has_bias: bool,
+                    always_expert: int | None) -> None:
     bias_ref = refs[0] if has_bias else None
     ids_ref, weights_ref = refs[-2:]
     token = pl.program_id(0)
@@ -52,7 +55,7 @@ def _routing_kernel(logits_ref, *refs, routing: Routing, experts: int, has_bias:
     if routing.group_limited:
         choice = _within_top_groups(choice, expert, experts, routing)
     k = routing.num_experts_per_tok
-    slot = jnp.arange(pl.next_power_of_2(k), dtype=jnp.int32)
+    slot = jnp.arange(pl.next_power_of_2(k + (always_expert is not None)), dtype=jnp.int32)
     ids = jnp.zeros(slot.shape, jnp.int32)
     weights = jnp.zeros(slot.shape, jnp.float32)
     for j in range(k):   # the best left, the lowest expert among equals (lax.top_k's order)
@@ -62,8 +65,13 @@ def _routing_kernel(logits_ref, *refs, routing: Routing, experts: int, has_bias:
         choice = jnp.where(expert == best, -jnp.inf, choice)
     if routing.norm_topk_prob:
         weights = weights / (jnp.sum(weights) + 1e-20)
+    weights = weights * routing.routed_scaling_factor
+    if always_expert is not None:
+        ids = jnp.where(slot == k, always_expert, ids)
+        weights = jnp.where(slot == k, 1.0, weights)
+        k += 1
     plt.store(ids_ref.at[token, slot], ids, mask=slot < k)
-    plt.store(weights_ref.at[token, slot], weights * routing.routed_scaling_factor, mask=slot < k)
+    plt.store(weights_ref.at[token, slot], weights, mask=slot < k)
 
 
 def _scores(logits: jax.Array, scoring: str) -> jax.Array:

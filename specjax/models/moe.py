@@ -50,23 +50,25 @@ _COMPARE_SORT_MAX_SLOTS = 4096
 
 
 def route(x: jax.Array, w_router: jax.Array, router_bias: jax.Array | None, routing: Routing,
-          kernels: KernelPolicy = KernelPolicy()) -> tuple[jax.Array, jax.Array]:
+          kernels: KernelPolicy = KernelPolicy(), always_expert: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Expert ids [N, k] (int32, best first) and their weights [N, k] (fp32) for tokens x [N, hidden]: the logits
-    x W in fp32 at full precision, then kernels/moe_routing.py's selection."""
+    x W in fp32 at full precision, then kernels/moe_routing.py's selection (always_expert: its id, weight 1, as
+    one more column)."""
     logits = jnp.dot(x.astype(jnp.float32), w_router.astype(jnp.float32), precision=lax.Precision.HIGHEST)
-    return select_experts(logits, router_bias, routing, kernels=kernels)
+    return select_experts(logits, router_bias, routing, kernels=kernels, always_expert=always_expert)
 
 
 def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: Mapping[str, jax.Array], *,
                    form: str = "auto", block: tuple[int, int] | None = None,
                    kernels: KernelPolicy = KernelPolicy(), shared: Mapping[str, jax.Array] | None = None,
-                   scaled: ScaledRows | None = None) -> jax.Array:
+                   scaled: ScaledRows | None = None, shared_in_ids: bool = False) -> jax.Array:
     """Σ_j weights[n, j] · Expert_{ids[n, j]}(x[n]) for tokens x [N, hidden], in the chosen form (module doc).
     experts: we_gate, we_up, we_down (and their `_scale` leaves with `block`). shared: leaves holding the shared
     experts (ws_*; none there: no shared experts), their output added: where the grouped kernel runs and they
     are one expert's shape (DeepSeek-V3), as one more expert of every token, weight 1, in the routed experts'
     launches (three launches a layer fewer, its bytes streamed with theirs); else as their own MLP. scaled: x's
-    rows as the grouped kernel takes them (grouped_matmul.prepared_rows), for its calls."""
+    rows as the grouped kernel takes them (grouped_matmul.prepared_rows), for its calls. shared_in_ids: ids and
+    weights already end with that expert (route's always_expert, where `joins_shared` says it joins)."""
     num_slots, num_experts = ids.size, experts["we_gate"].shape[0]
     kernel = kernels.use_grouped_matmul_kernel(fp8=experts["we_gate"].dtype.itemsize == 1, rows=num_slots,
                                               groups=num_experts)
@@ -75,10 +77,11 @@ def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: Ma
     forms = {"dense": _dense_experts, "grouped": _grouped_experts, "gathered": _gathered_experts}
     if form not in forms:
         raise ValueError(f"expert form {form!r} is not one of {EXPERT_FORMS}")
-    if form == "grouped" and kernel and _joins(experts, shared, x.shape[0], block, kernels):
-        joined_ids = jnp.concatenate([ids, jnp.full((ids.shape[0], 1), num_experts, ids.dtype)], axis=1)
-        joined_weights = jnp.concatenate([weights, jnp.ones((ids.shape[0], 1), weights.dtype)], axis=1)
-        return _grouped_experts(x, joined_ids, joined_weights, _joined(experts, shared), block, kernels, scaled)
+    if shared_in_ids or joins_shared(experts, shared, ids.shape[0], ids.shape[1], block, kernels, form):
+        if not shared_in_ids:
+            ids = jnp.concatenate([ids, jnp.full((ids.shape[0], 1), num_experts, ids.dtype)], axis=1)
+            weights = jnp.concatenate([weights, jnp.ones((ids.shape[0], 1), weights.dtype)], axis=1)
+        return _grouped_experts(x, ids, weights, _joined(experts, shared), block, kernels, scaled)
     if form == "grouped":
         routed = _grouped_experts(x, ids, weights, experts, block, kernels if kernel else None,
                                   scaled if kernel else None)
@@ -87,12 +90,17 @@ def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: Ma
     return routed if shared is None else routed + _shared(x, shared, block, kernels)
 
 
-def _joins(experts: Mapping[str, jax.Array], shared: Mapping[str, jax.Array] | None, tokens: int, block,
-           kernels: KernelPolicy) -> bool:
-    """Whether the shared experts run as one more routed expert: one expert's shapes and dtypes, scaled alike, at
-    a token count where on their own they would run in the kernel too (a prefill's many rows keep their GEMM,
-    which reads each matrix once, where the kernel's tiles of 16 rows would read it once per tile)."""
-    if shared is None or "ws_gate" not in shared:
+def joins_shared(experts: Mapping[str, jax.Array], shared: Mapping[str, jax.Array] | None, tokens: int,
+                 top_k: int, block, kernels: KernelPolicy, form: str = "auto") -> bool:
+    """Whether `tokens` tokens' shared experts run as one more routed expert (of top_k each) in the grouped
+    kernel's launches: the kernel runs the experts (`form` auto or grouped), the shared experts are one expert's
+    shapes and dtypes, scaled alike, at a token count where on their own they would run in the kernel too (a
+    prefill's many rows keep their GEMM, which reads each matrix once, where the kernel's tiles of 16 rows would
+    read it once per tile)."""
+    if shared is None or "ws_gate" not in shared or form not in ("auto", "grouped"):
+        return False
+    if not kernels.use_grouped_matmul_kernel(fp8=experts["we_gate"].dtype.itemsize == 1, rows=tokens * top_k,
+                                             groups=experts["we_gate"].shape[0]):
         return False
     if not in_kernel(tokens, "ws_gate_scale" in shared, block, kernels):
         return False
@@ -231,12 +239,16 @@ def moe(x: jax.Array, weights: Mapping[str, jax.Array], routing: Routing, *,
     (`_expert_parallel`)."""
     tokens = x.reshape(-1, x.shape[-1])
     tokens, scaled = _normalised(tokens, norm, weights, routing, kernels)
-    ids, routing_weights = route(tokens, weights["w_router"], weights.get("router_bias"), routing, kernels)
     layout = current_layout()
     if layout is not None and layout.shards > 1:
+        ids, routing_weights = route(tokens, weights["w_router"], weights.get("router_bias"), routing, kernels)
         return _expert_parallel(tokens, ids, routing_weights, weights, layout, kernels, block).reshape(x.shape)
+    joined = joins_shared(weights, weights, tokens.shape[0], routing.num_experts_per_tok, block, kernels,
+                          kernels.moe_form)   # the shared expert as expert E, chosen by the routing launch
+    ids, routing_weights = route(tokens, weights["w_router"], weights.get("router_bias"), routing, kernels,
+                                 always_expert=weights["we_gate"].shape[0] if joined else None)
     out = routed_experts(tokens, ids, routing_weights, weights, form=kernels.moe_form, block=block, kernels=kernels,
-                         shared=weights, scaled=scaled)
+                         shared=weights, scaled=scaled, shared_in_ids=joined)
     return out.reshape(x.shape)
 
 
