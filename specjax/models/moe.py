@@ -186,8 +186,8 @@ def _grouped_experts(x, ids, weights, experts, block, kernels: KernelPolicy | No
 
 def _sort_plan(flat_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(order, rank) of the slots sorted by expert, stably: order[r] the slot at sorted place r, rank[s] slot s's
-    place. Up to _COMPARE_SORT_MAX_SLOTS slots (decode and verify) from pairwise compares and sums, which XLA fuses
-    with the slots' counts; past it (prefill) by sorting."""
+    place. Up to _COMPARE_SORT_MAX_SLOTS slots (decode and verify) from pairwise compares and sums (two fusions,
+    where a sort and its unsort's zeros and scatter took more); past it (prefill) by sorting."""
     slots = flat_ids.shape[0]
     if slots > _COMPARE_SORT_MAX_SLOTS:
         order = jnp.argsort(flat_ids, stable=True)
