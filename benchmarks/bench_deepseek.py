@@ -18,7 +18,7 @@ v3_step also traces 5 steps of the kernel form at each batch, v2_e2e its plain l
 time goes, per kernel kind.)
 
 (v2_transformers, transformers' own V2-Lite as the peer, runs in a child process first. --target h200 runs
-nothing: it compiles v3_step's kernel form for an H200 on this host, from shapes alone (no weights are made), and
+nothing: it compiles v3_step's forms for an H200 on this host, from shapes alone (no weights are made), and
 prints the launches of a step by the function that made them; benchmarks/gpu_target.py says what that needs.)
 
 Writes $OUT/bench_deepseek_<suite>.json and prints each row as it comes.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import re
 import subprocess
 import sys
@@ -142,11 +143,14 @@ def form_subjects(cfg: DeepseekConfig, target, forms: tuple[str, ...]) -> dict:
     def under(policy: KernelPolicy):
         graph = nnx.graphdef(nnx.eval_shape(lambda: FAMILY.random(cfg, dtype=jnp.bfloat16, kernels=policy)))
         return subject(cfg, graph, target.state)
-    makers = {"kernel": lambda: target, "xla": lambda: under(KernelPolicy(grouped_matmul_kernel=False)),
-              "fp8_rows": lambda: under(KernelPolicy(fp8_activations=True)),
-              "head_kernel": lambda: under(KernelPolicy(head_matmul_max_tokens=64))}
-    return {form: makers[form]() if form in makers else under(KernelPolicy(projection_programs=programs_of(form)))
-            for form in forms}
+    return {form: target if form == "kernel" else under(form_policy(form)) for form in forms}
+
+
+def form_policy(form: str) -> KernelPolicy:
+    """The kernel policy of one of form_subjects' forms."""
+    policies = {"kernel": KernelPolicy(), "xla": KernelPolicy(grouped_matmul_kernel=False),
+                "fp8_rows": KernelPolicy(fp8_activations=True), "head_kernel": KernelPolicy(head_matmul_max_tokens=64)}
+    return policies[form] if form in policies else KernelPolicy(projection_programs=programs_of(form))
 
 
 def programs_of(form: str) -> int | None:
@@ -185,21 +189,22 @@ def v3_step_suite(bandwidth: float, smoke: bool, batches: tuple[int, ...], forms
     return rows
 
 
-def v3_step_launches(batches: tuple[int, ...], smoke: bool) -> list[dict]:
-    """V3's 4-layer FP8 decode step (the kernel form) compiled for an H200 here, from shapes: launches per step,
+def v3_step_launches(batches: tuple[int, ...], smoke: bool, forms: tuple[str, ...] = ("kernel",)) -> list[dict]:
+    """V3's 4-layer FP8 decode step in each of `forms` compiled for an H200 here, from shapes: launches per step,
     in all and by the innermost function that made them."""
     cfg = config(V3_4_LAYERS, smoke)
     device = h200()
     rows = []
     with compiling_for(device):
-        graph, state = nnx.split(nnx.eval_shape(lambda: FAMILY.random(cfg, dtype=jnp.bfloat16)))
-        for B in batches:
+        for form, B in itertools.product(forms, batches):
+            graph, state = nnx.split(nnx.eval_shape(
+                lambda: FAMILY.random(cfg, dtype=jnp.bfloat16, kernels=form_policy(form))))
             cache = jax.eval_shape(lambda s: nnx.merge(graph, s).init_cache(B, CONTEXT + 1), state)
             text = compiled_for(step_fn(graph), (state, cache, jax.ShapeDtypeStruct((B, 1), jnp.int32),
                                                  jax.ShapeDtypeStruct((B,), jnp.int32)), device).as_text()
             launches = launches_per_call(text)
             by_function = charged_weights(launches.items(), instruction_stacks(text))
-            rows.append(dict(shape="v3_4layers_fp8", batch=B, target="h200", launches=sum(launches.values()),
+            rows.append(dict(shape="v3_4layers_fp8", form=form, batch=B, target="h200", launches=sum(launches.values()),
                              by_function=dict(by_function.most_common())))
             print(rows[-1], flush=True)
     return rows
@@ -331,20 +336,20 @@ def main(argv=None) -> None:
                         "for the V2-Lite suites; --smoke: 1)")
     parser.add_argument("--profile", action="store_true", help="trace the kernel form's steps (v3_step) or loops "
                         "(v2_e2e) too")
-    parser.add_argument("--target", choices=["h200"], help="compile v3_step for this GPU here and count its "
-                        "launches; nothing runs")
+    parser.add_argument("--target", choices=["h200"], help="compile v3_step's forms for this GPU here and count "
+                        "their launches; nothing runs")
     args = parser.parse_args(argv)
 
     def batches(default: tuple[int, ...]) -> tuple[int, ...]:
         return (1,) if args.smoke else tuple(args.batches or default)
-    if args.target:
-        rows = v3_step_launches(batches(V3_BATCHES), args.smoke)
-        print_table([{k: r[k] for k in ("shape", "batch", "launches")} for r in rows])
-        write_json("bench_deepseek_v3_target", rows)
-        return
     forms = tuple(args.forms.split(","))
     if not all(form in FORMS or programs_of(form) for form in forms):
         raise SystemExit(f"--forms: {args.forms!r}; choose from {', '.join(FORMS)} or programsN (N a count)")
+    if args.target:
+        rows = v3_step_launches(batches(V3_BATCHES), args.smoke, forms)
+        print_table([{k: r[k] for k in ("shape", "form", "batch", "launches")} for r in rows])
+        write_json("bench_deepseek_v3_target", rows)
+        return
     sizes = SMOKE_SIZES if args.smoke else dataclasses.replace(Sizes(), new_tokens=128)
     suites = args.suites.split(",")
     if "v2_transformers" in suites:   # PyTorch in a process of its own, before JAX takes the GPU's memory here

@@ -59,8 +59,10 @@ def test_the_loops_compile_speculation_leaves_the_targets_pass_as_it_is_and_adap
 
 
 def test_deepseek_v3s_fp8_step_compiles_with_its_projections_in_the_grouped_kernel(tmp_path):
-    run_for_h200(tmp_path, "benchmarks/bench_deepseek.py", "--target", "h200", "--smoke")
-    (row,) = json.loads((tmp_path / "bench_deepseek_v3_target.json").read_text())["rows"]
+    run_for_h200(tmp_path, "benchmarks/bench_deepseek.py", "--target", "h200", "--smoke", "--forms", "kernel,xla")
+    row, xla = json.loads((tmp_path / "bench_deepseek_v3_target.json").read_text())["rows"]
+    assert (row["form"], xla["form"]) == ("kernel", "xla")
     kernel = row["by_function"].get("kernels/grouped_matmul_triton.py:grouped_matmul_triton", 0)
     # Per layer at least q_a, q_b, kv_a and o (the FP8 matrices below a scale block's rows), and the experts.
     assert kernel >= 4 * 2, row
+    assert "kernels/grouped_matmul_triton.py:grouped_matmul_triton" not in xla["by_function"], xla
