@@ -15,7 +15,8 @@ from specjax.kernels.projection_reference import rms_norm
 
 def grouped_matmul(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Array, ...],
                    group_sizes: jax.Array | None = None, *,
-                   row_groups: jax.Array | None = None, row_index: jax.Array | None = None, scale: jax.Array | tuple[jax.Array, ...] | None = None,
+                   row_groups: jax.Array | None = None, row_index: jax.Array | None = None,
+                   scale: jax.Array | tuple[jax.Array, ...] | None = None,
                    block: tuple[int, int] | None = None, kernels: KernelPolicy = KernelPolicy(),
                    config: GroupedMatmulConfig | None = None,
                    norm: tuple[jax.Array, float] | None = None, interleaved: bool = False,
@@ -43,8 +44,7 @@ def grouped_matmul(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Array, ..
     if kernels.use_grouped_matmul_kernel(fp8=stacks[0].dtype.itemsize == 1, rows=x.shape[0],
                                          groups=group_count(stacks)):
         return grouped_matmul_triton(x, w, group_sizes, row_groups=row_groups, row_index=row_index, scale=scale,
-                                     block=block,
-                                     config=config, fp8_rows=kernels.fp8_activations, norm=norm,
+                                     block=block, config=config, fp8_rows=kernels.fp8_activations, norm=norm,
                                      interleaved=interleaved, interpret=kernels.interpret)
     x = x.bf16() if isinstance(x, ScaledRows) else x
     x = x[:, :stacks[0].shape[1]] if leading_columns else x

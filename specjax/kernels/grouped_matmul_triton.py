@@ -88,7 +88,7 @@ class GroupedMatmulConfig:
     num_warps: int = 4
     num_stages: int = 3
     k_splits: int | None = None   # None: default_k_splits, aiming at target_programs
-    target_programs: int | None = None   # None: _TARGET_PROGRAMS
+    target_programs: int = _TARGET_PROGRAMS
     pairs: bool | None = None     # a 1-byte stack read as uint16 column pairs; None: wherever columns are even
     f16_rows: bool | None = None  # bf16 rows as scaled float16 against a 1-byte stack; None: wherever they meet
 
@@ -227,7 +227,7 @@ def grouped_matmul_triton(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Ar
     column_blocks, k_chunks = pl.cdiv(stored[0].shape[2], block_n), pl.cdiv(in_features, block_k)
     splits = 1 if rows > MAX_SPLIT_ROWS else config.k_splits or default_k_splits(
         column_blocks, k_chunks, groups if interleaved else planned_tiles(groups),   # interleaved: a tile per group
-        config.target_programs or _TARGET_PROGRAMS)
+        config.target_programs)
     chunks_per_split = pl.cdiv(k_chunks, splits)
     splits = pl.cdiv(k_chunks, chunks_per_split)
     if interleaved:
@@ -244,8 +244,7 @@ def grouped_matmul_triton(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Ar
         has_unscale=unscale is not None, in_features=in_features, out_features=out_features, block_k=block_k,
         block_n=block_n, chunks_per_split=chunks_per_split, repeat=repeat, indexed=row_index is not None,
         whole_tiles=in_features % block_k == 0 and stored[0].shape[2] % block_n == 0, fp8_rows=fp8_rows,
-        scale_block_n=block[1] if scale is not None else 1, precision=precision,
-        tiling=tiling)
+        scale_block_n=block[1] if scale is not None else 1, precision=precision, tiling=tiling)
     partials = pl.pallas_call(
         kernel,
         grid=(tile_count, column_blocks, splits),
@@ -385,8 +384,7 @@ def _as_pairs(w: jax.Array) -> jax.Array:
 def _grouped_kernel(*refs, starts: tuple[int, ...], pairs: bool, weight_dtype, has_scale: bool,
                     has_unscale: bool, in_features: int, out_features: int, block_k: int, block_n: int,
                     chunks_per_split: int, repeat: int, indexed: bool, whole_tiles: bool, fp8_rows: bool,
-                    scale_block_n: int,
-                    precision: lax.Precision, tiling: tuple) -> None:
+                    scale_block_n: int, precision: lax.Precision, tiling: tuple) -> None:
     """One (tile, column block, K split): nothing for an empty tile; else the K loop over the split's chunks of
     dots (one per column phase: even and odd columns of a pair view), scaled per block, and one masked store per
     phase into the split's partial output (times each row's unscale where the rows came as scaled float16).

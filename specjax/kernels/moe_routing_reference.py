@@ -53,9 +53,12 @@ def select_experts_reference(logits: jax.Array, bias: jax.Array | None, routing:
     if routing.norm_topk_prob:
         weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
     ids, weights = ids.astype(jnp.int32), weights * routing.routed_scaling_factor
-    if always_expert is None:
-        return ids, weights
-    return (jnp.concatenate([ids, jnp.full((ids.shape[0], 1), always_expert, jnp.int32)], axis=1),
+    return (ids, weights) if always_expert is None else with_always_expert(ids, weights, always_expert)
+
+
+def with_always_expert(ids: jax.Array, weights: jax.Array, expert: int) -> tuple[jax.Array, jax.Array]:
+    """ids and weights [N, k] with one more column: `expert`, weight 1, for every token."""
+    return (jnp.concatenate([ids, jnp.full((ids.shape[0], 1), expert, ids.dtype)], axis=1),
             jnp.concatenate([weights, jnp.ones((ids.shape[0], 1), weights.dtype)], axis=1))
 
 

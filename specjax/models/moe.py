@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from specjax.kernels.grouped_matmul import ScaledRows, grouped_matmul, group_count, prepared_rows
 from specjax.kernels.moe_routing import select_experts
-from specjax.kernels.moe_routing_reference import Routing
+from specjax.kernels.moe_routing_reference import Routing, with_always_expert
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.projection_reference import rms_norm
 from specjax.models.fp8 import dequantize_stack, in_kernel, linear
@@ -79,8 +79,7 @@ def routed_experts(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: Ma
         raise ValueError(f"expert form {form!r} is not one of {EXPERT_FORMS}")
     if shared_in_ids or joins_shared(experts, shared, ids.shape[0], ids.shape[1], block, kernels, form):
         if not shared_in_ids:
-            ids = jnp.concatenate([ids, jnp.full((ids.shape[0], 1), num_experts, ids.dtype)], axis=1)
-            weights = jnp.concatenate([weights, jnp.ones((ids.shape[0], 1), weights.dtype)], axis=1)
+            ids, weights = with_always_expert(ids, weights, num_experts)
         return _grouped_experts(x, ids, weights, _joined(experts, shared), block, kernels, scaled)
     if form == "grouped":
         routed = _grouped_experts(x, ids, weights, experts, block, kernels if kernel else None,
