@@ -246,6 +246,56 @@ def test_stacks_joined_in_one_call_equal_their_concatenation(block):
     assert relative_error(kernel, np.asarray(jnp.asarray(reference, jnp.float32), np.float64)) < 1e-2
 
 
+@pytest.mark.parametrize("block", [(32, 16), None])
+@pytest.mark.parametrize("tiling", ["table", "indexed", "rows", "token", "interleaved"])
+def test_products_in_one_call_equal_their_own_calls(tiling, block):
+    """A list of stacks (an MLP's gate and up, each a tuple of routed and shared stacks) gives each product the
+    bits its own call gives it (the same K split), in every tiling of the kernel and in the reference; one
+    launch where the kernel runs."""
+    k, n = 96, 64
+    products = [make_stack(seed, 4, k, n, jnp.bfloat16, block) for seed in (5, 9)]
+    shared = [make_stack(seed, 1, k, n, jnp.bfloat16, block) for seed in (11, 13)]
+    ws = [(w, w_shared) for (w, _), (w_shared, _) in zip(products, shared)]
+    scales = None if block is None else [(s, s_shared) for (_, s), (_, s_shared) in zip(products, shared)]
+    x = make_rows(7, 10, k, jnp.bfloat16)
+    calls = dict(table=(x, dict(group_sizes=jnp.asarray([2, 0, 3, 1, 3], jnp.int32))),
+                 indexed=(x[:3], dict(group_sizes=jnp.asarray([2, 0, 3, 1, 3], jnp.int32),
+                                      row_index=jnp.asarray([0, 4, 8, 1, 2, 5, 7, 6, 3], jnp.int32))),
+                 rows=(x[:3], dict(row_groups=jnp.asarray([3, 0, 4], jnp.int32))),
+                 token=(x[:1], dict(row_groups=jnp.asarray([[3, 0, 4]], jnp.int32))),
+                 interleaved=(x, dict(interleaved=True)))
+    rows, groups = calls[tiling]
+    if tiling == "interleaved":   # five groups, two tokens each
+        ws = [jnp.concatenate(w) for w in ws]
+        scales = None if block is None else [jnp.concatenate(s) for s in scales]
+    for kernels in (INTERPRET, KernelPolicy(impl="reference")):
+        got = grouped_matmul(rows, ws, **groups, scale=scales, block=block, kernels=kernels)
+        assert isinstance(got, list) and len(got) == 2
+        for p, out in enumerate(got):
+            want = grouped_matmul(rows, ws[p], **groups, scale=None if scales is None else scales[p], block=block,
+                                  kernels=kernels)
+            np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+
+
+def test_bf16_rows_times_an_fp32_stack_multiply_in_fp32():
+    """A plain stack wider than the rows (a router's fp32 matrix, bf16 rows): the product in fp32, the rows
+    widened exactly, in the kernel and in the reference, within fp32 rounding of the float64 product; the split
+    partials sum to the product in split order, bit for bit."""
+    w, _ = make_stack(5, 1, 256, 48, jnp.float32)
+    x = make_rows(6, 3, 256, jnp.bfloat16)
+    want = np.asarray(x, np.float64) @ np.asarray(w[0], np.float64)
+    for kernels in (INTERPRET, KernelPolicy(impl="reference")):
+        got = grouped_matmul(x, w, interleaved=True, kernels=kernels)
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5)
+    partials = grouped_matmul_triton(x, w, interleaved=True, split_partials=True, interpret=True,
+                                     config=GroupedMatmulConfig(k_splits=2))
+    assert partials.shape == (2, 3, 48)
+    np.testing.assert_array_equal(np.asarray(partials[0] + partials[1]),
+                                  np.asarray(grouped_matmul_triton(x, w, interleaved=True, interpret=True,
+                                                                   config=GroupedMatmulConfig(k_splits=2))))
+
+
 @pytest.mark.parametrize("pairs", [True, False])
 def test_an_fp8_stack_reads_back_column_by_column(pairs):
     """Read as uint16 pairs or as it is, a 1-byte stack keeps every column in place: a single-expert, single-block
@@ -466,6 +516,11 @@ def test_the_kernel_runs_where_triton_converts_the_stacks_dtype(device, plain, f
     (dict(block=None), "pass scale= and block= together"),
     (dict(scale=jnp.ones((2, 1, 1), jnp.float32)), r"scale must be \[2, 1, 2\] for w \[2, 16, 32\]"),
     (dict(interleaved=True), "interleaved rows name their groups themselves"),
+    (dict(w=[jnp.zeros((2, 16, 32), jnp.float8_e4m3fn)] * 2, scale=[jnp.ones((2, 1, 2), jnp.float32)]),
+     "a list of 2 products takes a list of as many scales"),
+    (dict(w=[jnp.zeros((2, 16, 32), jnp.float8_e4m3fn), jnp.zeros((2, 16, 64), jnp.float8_e4m3fn)],
+          scale=[jnp.ones((2, 1, 2), jnp.float32), jnp.ones((2, 1, 4), jnp.float32)]),
+     "products of one call must be alike"),
     (dict(group_sizes=None, scale=None, block=None, x=jnp.ones((3, 16)), w=jnp.zeros((2, 16, 32)),
           interleaved=True), "x's 3 rows must be a multiple of the 2 groups"),
 ])

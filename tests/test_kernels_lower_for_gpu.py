@@ -17,8 +17,10 @@ from jax._src.pallas.triton import pallas_call_registration as registration
 
 from specjax.kernels.attention_triton import attention_triton
 from specjax.kernels.grouped_matmul_triton import ScaledRows, default_config, f16_rows, grouped_matmul_triton
+from specjax.kernels.moe_routing import router_logits
 from specjax.kernels.moe_routing_reference import Routing
 from specjax.kernels.moe_routing_triton import select_experts_triton
+from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.projection_triton import projection_triton
 from specjax.kernels.top_k_top_p import LARGE_BATCH_CONFIG
 from specjax.kernels.top_k_top_p_triton import SearchConfig, keep_mask_triton
@@ -151,6 +153,36 @@ def test_grouped_matmul_lowers_on_prepared_rows_read_through_an_index(triton_mod
 
     lower_for_cuda(layer, x, norm, w, scale, jnp.zeros((16,), jnp.int32), jnp.zeros((64,), jnp.int32))
     assert_verified(triton_modules)
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_router_logits_and_the_choice_from_their_partial_sums_lower(triton_modules, tokens):
+    """V3's router: bf16 rows times the fp32 router matrix (an fp32 dot at full precision), its K split's partial
+    products summed by the routing kernel."""
+    routing = Routing(8, "sigmoid", "noaux_tc", 8, 4, routed_scaling_factor=2.5)
+    bias = jnp.zeros((256,), jnp.float32)
+    kernels = KernelPolicy(impl="triton")
+    lower_for_cuda(lambda x, w: select_experts_triton(router_logits(x, w, routing, kernels=kernels), bias, routing,
+                                                      always_expert=256),
+                   jnp.zeros((tokens, 7168), jnp.bfloat16), jnp.zeros((7168, 256), jnp.float32))
+    assert_verified(triton_modules)
+    assert len(triton_modules) == 2
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_gate_and_up_of_routed_and_shared_experts_lower_as_one_kernel(triton_modules, tokens):
+    """A V3 MoE layer's gate and up (each the routed stack and the shared expert) of one token's slots or of 8
+    tokens' sorted slots: one f16_rows and one grouped matmul module, where two calls built two of each."""
+    x = jnp.zeros((tokens, 256), jnp.bfloat16)
+    routed, shared = jnp.zeros((16, 256, 256), jnp.float8_e4m3fn), jnp.zeros((1, 256, 256), jnp.float8_e4m3fn)
+    scales = (jnp.ones((16, 2, 2), jnp.float32), jnp.ones((1, 2, 2), jnp.float32))
+    ids = jnp.zeros((tokens, 3), jnp.int32)
+    groups = dict(row_groups=ids) if tokens == 1 else dict(group_sizes=jnp.zeros((17,), jnp.int32),
+                                                           row_index=ids.reshape(-1))
+    lower_for_cuda(lambda x: grouped_matmul_triton(x, [(routed, shared)] * 2, **groups, scale=[scales] * 2,
+                                                   block=(128, 128)), x)
+    assert_verified(triton_modules)
+    assert len(triton_modules) == 2
 
 
 @pytest.mark.parametrize("tokens, shape", [(1, (128, 128, 512)), (8, (128, 512, 128)), (40, (16, 128, 512))])

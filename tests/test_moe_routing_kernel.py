@@ -1,5 +1,6 @@
 """MoE routing: the Pallas kernel (interpret mode) against the pure-JAX reference on tied and untied scores, every
-method, group layouts and widths that are not powers of two; a token's choice alone and among others; bad input."""
+method, group layouts and widths that are not powers of two; a token's choice alone and among others; logits as
+partial sums; the router's logits alone and among other tokens; bad input."""
 from __future__ import annotations
 
 import jax
@@ -9,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specjax.kernels.moe_routing import select_experts
+from specjax.kernels.grouped_matmul_triton import MAX_SPLIT_ROWS
+from specjax.kernels.moe_routing import router_logits, select_experts
 from specjax.kernels.moe_routing_reference import Routing, select_experts_reference
 from specjax.kernels.moe_routing_triton import select_experts_triton
 from specjax.kernels.policy import KernelPolicy, has_kernels
@@ -83,6 +85,40 @@ def test_the_compiled_kernel_chooses_as_the_reference_on_the_gpu(layout, method,
         np.testing.assert_allclose(np.asarray(got_weights), np.asarray(want_weights), rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("policy", [KernelPolicy(interpret=True), KernelPolicy(impl="reference")])
+def test_partial_sums_of_the_logits_choose_as_their_sum_in_split_order(policy):
+    """Logits as partial sums [S, N, E] (the router product's K splits): the kernel and the reference choose the
+    experts, with the weights, that the partials summed in split order give, bit for bit."""
+    routing = routing_for(LAYOUTS[0], "noaux_tc", "sigmoid", True)
+    partials = jnp.asarray(np.random.default_rng(4).standard_normal((5, 3, LAYOUTS[0][0])).astype(np.float32))
+    summed = partials[0] + partials[1] + partials[2] + partials[3] + partials[4]
+    want = select_experts(summed, None, routing, kernels=policy)
+    got = select_experts(partials, None, routing, kernels=policy)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_router_logits_of_a_token_do_not_depend_on_the_token_count():
+    """Where the routing kernel runs, a token's router logits are the grouped kernel's partial products over a K
+    split fixed by the shapes: summed, within fp32 rounding of the float64 product, and the same bits alone, among
+    5 tokens and among 40; past the verify sizes, and off the kernel, XLA's dot."""
+    routing = Routing(8, "sigmoid", "noaux_tc", 8, 4)
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((40, 512)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((512, 64)) / 20, jnp.float32)
+    kernels = KernelPolicy(interpret=True)
+    partials = [router_logits(x[:n], w, routing, kernels=kernels) for n in (1, 5, 40)]
+    assert partials[0].ndim == 3 and partials[0].shape[0] > 1
+    for many in partials[1:]:
+        np.testing.assert_array_equal(np.asarray(many[:, :1]), np.asarray(partials[0]))
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    np.testing.assert_allclose(np.asarray(partials[2].sum(axis=0)), want, rtol=0, atol=1e-5)
+    past = MAX_SPLIT_ROWS // routing.num_experts_per_tok + 1
+    assert router_logits(jnp.zeros((past, 512), jnp.bfloat16), w, routing, kernels=kernels).shape == (past, 64)
+    off = router_logits(x, w, routing, kernels=KernelPolicy(impl="reference"))
+    np.testing.assert_allclose(np.asarray(off), want, rtol=0, atol=1e-5)
+
+
 def test_the_dispatcher_runs_the_kernel_where_the_policy_says():
     routing = Routing(2, "sigmoid", "noaux_tc", 2, 1)
     logits = jnp.asarray(draw_logits(3, 2, 8, tied=False))
@@ -93,8 +129,8 @@ def test_the_dispatcher_runs_the_kernel_where_the_policy_says():
 
 
 @pytest.mark.parametrize("logits, bias, routing, match", [
-    ((4, 8, 2), None, Routing(2), r"logits must be \[N, E\] and bias \[E\]"),
-    ((4, 8), (7,), Routing(2), r"logits must be \[N, E\] and bias \[E\], got logits \[4, 8\] and bias \[7\]"),
+    ((3, 4, 8, 2), None, Routing(2), r"logits must be \[N, E\] \(or partial sums \[S, N, E\]\) and bias \[E\]"),
+    ((4, 8), (7,), Routing(2), r"and bias \[E\], got logits \[4, 8\] and bias \[7\]"),
     ((4, 8), None, Routing(9), "8 experts cannot give num_experts_per_tok=9"),
     ((4, 8), None, Routing(2, n_group=3), "8 experts do not split into n_group=3 equal groups"),
 ])

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.kernels.grouped_matmul_reference import grouped_matmul_reference
-from specjax.kernels.grouped_matmul_triton import (GroupedMatmulConfig, ScaledRows, as_stacks, f16_rows,
-                                                   group_count, grouped_matmul_triton, takes_f16_rows)
+from specjax.kernels.grouped_matmul_triton import (GroupedMatmulConfig, ScaledRows, as_products, as_stacks,
+                                                   f16_rows, group_count, grouped_matmul_triton, takes_f16_rows)
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.projection_reference import rms_norm
 
@@ -20,7 +20,7 @@ def grouped_matmul(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Array, ..
                    block: tuple[int, int] | None = None, kernels: KernelPolicy = KernelPolicy(),
                    config: GroupedMatmulConfig | None = None,
                    norm: tuple[jax.Array, float] | None = None, interleaved: bool = False,
-                   leading_columns: bool = False) -> jax.Array:
+                   leading_columns: bool = False) -> jax.Array | list[jax.Array]:
     """x [M, K] @ w[g] row by row for w [G, K, N]: the rows sorted by group with group_sizes [G] rows in each
     (rows past sum(group_sizes) are zero), or in any order with row_groups [M] naming each row's group (one
     kernel tile per row: for rows of distinct groups), or row_groups [M, R] naming R groups for each row (out
@@ -35,11 +35,14 @@ def grouped_matmul(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Array, ..
     rms_norm(x, weight, eps) multiplied instead (inside the kernel's row scaling where it runs). x may be
     ScaledRows (`prepared_rows`: bf16 rows already as the kernel takes them). leading_columns: x [M, K'] with K' >=
     K, its first K columns the rows (read in place where the kernel runs: a slice of them would be a copy). Output
-    in the (normalised) rows' dtype."""
-    stacks, scales = as_stacks(w, scale)
+    in the (normalised) rows' dtype, or a plain stack's where that is wider (jnp's promotion). w (and scale) a list of such, alike in every shape and dtype: their products
+    of the same rows, as a list (in one launch where the kernel runs: an MLP's gate and up)."""
+    products, product_scales = as_products(w, scale)
+    stacks, scales = as_stacks(products[0], product_scales[0])
     rows_in = x.values if isinstance(x, ScaledRows) else x
     _check_inputs(rows_in[:, :stacks[0].shape[1]] if leading_columns and rows_in.ndim == 2 else rows_in, stacks,
                   group_sizes, row_groups, scales, block, norm, interleaved)
+    _check_products(products, product_scales)
     _check_row_index(row_index, group_sizes, x.shape[0])
     if kernels.use_grouped_matmul_kernel(fp8=stacks[0].dtype.itemsize == 1, rows=x.shape[0],
                                          groups=group_count(stacks)):
@@ -50,6 +53,13 @@ def grouped_matmul(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Array, ..
     x = x[:, :stacks[0].shape[1]] if leading_columns else x
     x = x if row_index is None else x[row_index // (row_index.shape[0] // x.shape[0])]
     x = x if norm is None else rms_norm(x, *norm)
+    outs = [_reference(x, *as_stacks(w_p, scale_p), group_sizes, row_groups, block, interleaved)
+            for w_p, scale_p in zip(products, product_scales)]
+    return outs if isinstance(w, list) else outs[0]
+
+
+def _reference(x, stacks, scales, group_sizes, row_groups, block, interleaved) -> jax.Array:
+    """One product off the kernel: the stacks concatenated, grouped_matmul_reference on them."""
     joined = jnp.concatenate(stacks) if len(stacks) > 1 else stacks[0]
     joined_scale = jnp.concatenate(scales) if len(stacks) > 1 and scales[0] is not None else scales[0]
     if interleaved:   # the same rows sorted by group, and back
@@ -111,6 +121,20 @@ def _check_inputs(x, stacks, group_sizes, row_groups, scales, block, norm, inter
             if scale.shape != expected:
                 raise ValueError(f"grouped_matmul: scale must be {list(expected)} for w {list(stack.shape)} in "
                                  f"blocks of {list(block)}, got {list(scale.shape)}")
+
+
+def _check_products(products: list, scales: list) -> None:
+    """Several products (a list w) of one launch: stacks alike in every shape and dtype, scaled alike."""
+    if len(scales) != len(products):
+        raise ValueError(f"grouped_matmul: a list of {len(products)} products takes a list of as many scales (or "
+                         f"none), got {len(scales)}")
+    first, first_scales = as_stacks(products[0], scales[0])
+    for w_p, scale_p in zip(products[1:], scales[1:]):
+        stacks, stack_scales = as_stacks(w_p, scale_p)
+        if ([(s.shape, s.dtype) for s in stacks] != [(s.shape, s.dtype) for s in first]
+                or [getattr(s, "shape", None) for s in stack_scales] != [getattr(s, "shape", None) for s in first_scales]):
+            raise ValueError(f"grouped_matmul: the products of one call must be alike in every stack's shape, dtype "
+                             f"and scale, got {[list(s.shape) for s in first]} and {[list(s.shape) for s in stacks]}")
 
 
 def _check_row_index(row_index, group_sizes, rows: int) -> None:

@@ -19,14 +19,15 @@ def sorted_row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
 def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = None, *,
                              row_groups: jax.Array | None = None, scale: jax.Array | None = None,
                              block: tuple[int, int] | None = None) -> jax.Array:
-    """x [M, K] @ w[group of the row] for w [G, K, N], in x's dtype. The rows' groups: group_sizes [G] for rows
+    """x [M, K] @ w[group of the row] for w [G, K, N], in x's dtype (a plain stack of a wider dtype: in its). The rows' groups: group_sizes [G] for rows
     sorted by group (rows past sum(group_sizes) are zero, as lax.ragged_dot), or row_groups [M] for rows in any
     order, or row_groups [M, R] for R groups per row (out [M * R, N]: each row repeated R times)."""
     if row_groups is not None and row_groups.ndim == 2:
         x, row_groups = jnp.repeat(x, row_groups.shape[1], axis=0), row_groups.reshape(-1)
     rows, in_features = x.shape
     groups = sorted_row_groups(group_sizes, rows) if row_groups is None else row_groups
-    weights = w[groups].astype(x.dtype)                                              # [M, K, N]
+    dtype = x.dtype if w.dtype.itemsize == 1 else jnp.promote_types(x.dtype, w.dtype)
+    x, weights = x.astype(dtype), w[groups].astype(dtype)                             # [M, K, N]
     if scale is None:
         out = jnp.einsum("mk,mkn->mn", x, weights, preferred_element_type=jnp.float32)
     else:
@@ -40,4 +41,4 @@ def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array 
         out = (partial * column_scale).sum(axis=1)
     if row_groups is None:
         out = jnp.where((jnp.arange(rows) < group_sizes.sum())[:, None], out, 0)
-    return out.astype(x.dtype)
+    return out.astype(dtype)

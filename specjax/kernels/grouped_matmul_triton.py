@@ -169,6 +169,13 @@ def as_stacks(w, scale=None) -> tuple[tuple[jax.Array, ...], tuple]:
     return stacks, scale if isinstance(scale, tuple) else (scale,) * len(stacks)
 
 
+def as_products(w, scale=None) -> tuple[list, list]:
+    """(products, their scales) of grouped_matmul's w: a list of products' stacks as it is, else w as the one
+    product (scale None: None for each)."""
+    products = w if isinstance(w, list) else [w]
+    return products, scale if isinstance(scale, list) else [scale] * len(products)
+
+
 def group_count(w) -> int:
     """The groups of a stack or of a tuple of stacks together."""
     return sum(stack.shape[0] for stack in as_stacks(w)[0])
@@ -180,7 +187,8 @@ def grouped_matmul_triton(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Ar
                           scale: jax.Array | tuple[jax.Array, ...] | None = None,
                           block: tuple[int, int] | None = None, config: GroupedMatmulConfig | None = None,
                           fp8_rows: bool = False, norm: tuple[jax.Array, float] | None = None,
-                          interleaved: bool = False, interpret: bool = False) -> jax.Array:
+                          interleaved: bool = False, interpret: bool = False,
+                          split_partials: bool = False) -> jax.Array | list[jax.Array]:
     """specjax.kernels.grouped_matmul_reference, as one kernel (rows past sum(group_sizes) zero). row_groups
     instead of group_sizes: one tile per row, no table to compute, each row's matrix read once per row (for rows
     of distinct groups, such as one token's experts, the same bytes);
@@ -196,16 +204,22 @@ def grouped_matmul_triton(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Ar
     fp8_rows: a 1-byte stack multiplies rows quantized to e4m3 per K chunk.
     norm (weight [K], eps): the rows RMS-normalised first (projection_reference.rms_norm), inside f16_rows'
     launch where the rows go as float16. x as ScaledRows: bf16 rows already so (a 1-byte stack; no norm).
-    x may be wider than K (grouped_matmul's leading_columns): its first K columns are the rows, read in place."""
-    stacks, scales = as_stacks(w, scale)
+    x may be wider than K (grouped_matmul's leading_columns): its first K columns are the rows, read in place.
+    w (and scale) a list of such, alike in every shape: their products of the same rows in one launch, returned
+    as a list (an MLP's gate and up); each product's K split is its own launch's, so each is that launch's bit
+    for bit. split_partials: the fp32 partial products [S, rows, N] of the S splits of K instead, for a reader
+    that sums them in split order itself (the routing kernel: no launch of the sum's own)."""
+    listed = isinstance(w, list)
+    products = [as_stacks(w_p, s_p) for w_p, s_p in zip(*as_products(w, scale))]
+    stacks, scales = products[0]
     w, scale = stacks[0], scales[0]
     starts = tuple(int(start) for start in np.cumsum([0] + [stack.shape[0] for stack in stacks[:-1]]))
     groups, out_features = group_count(stacks), w.shape[2]
     config = config or default_config(groups, w.dtype.itemsize)
     fp8_rows = fp8_rows and w.dtype.itemsize == 1
     scaled = isinstance(x, ScaledRows)
-    out_dtype = (jnp.bfloat16 if scaled else x.dtype if norm is None
-                 else jnp.result_type(x.dtype, norm[0].dtype))   # the multiplied rows'
+    out_dtype = product_dtype(jnp.bfloat16 if scaled else x.dtype if norm is None
+                              else jnp.result_type(x.dtype, norm[0].dtype), w)   # the multiplied rows'
     as_f16 = _as_f16(out_dtype, w, config, fp8_rows)
     if scaled and (not as_f16 or norm is not None):
         raise ValueError("grouped_matmul: ScaledRows are rows the kernel takes as float16 against a 1-byte stack "
@@ -220,8 +234,8 @@ def grouped_matmul_triton(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Ar
     unscale = None
     if as_f16:
         x, unscale = x if scaled else f16_rows(x, interpret, norm, width=in_features)
-    pairs = all(_read_as_pairs(stack, config) for stack in stacks)
-    stored = tuple(_as_pairs(stack) if pairs else stack for stack in stacks)
+    pairs = all(_read_as_pairs(stack, config) for stacks_p, _ in products for stack in stacks_p)
+    stored = tuple(_as_pairs(stack) if pairs else stack for stacks_p, _ in products for stack in stacks_p)
     block_n = config.block_n // 2 if pairs else config.block_n
     block_k = block[0] if scale is not None else config.block_k
     column_blocks, k_chunks = pl.cdiv(stored[0].shape[2], block_n), pl.cdiv(in_features, block_k)
@@ -238,25 +252,33 @@ def grouped_matmul_triton(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Ar
         tiling, (*tiles, covered) = ("table",), tile_table(group_sizes, rows)
         tile_count = tiles[0].shape[0]
     indices = () if row_index is None else (row_index.astype(jnp.int32),)
-    args = [*tiles, *indices, x, *stored] + [a for a in (*scales, unscale) if a is not None]
+    all_scales = [scale_p for _, scales_p in products for scale_p in scales_p]
+    args = [*tiles, *indices, x, *stored] + [a for a in (*all_scales, unscale) if a is not None]
     kernel = functools.partial(
-        _grouped_kernel, starts=starts, pairs=pairs, weight_dtype=w.dtype, has_scale=scale is not None,
+        _grouped_kernel, starts=starts, products=len(products), column_blocks=column_blocks, pairs=pairs, weight_dtype=w.dtype, has_scale=scale is not None,
         has_unscale=unscale is not None, in_features=in_features, out_features=out_features, block_k=block_k,
         block_n=block_n, chunks_per_split=chunks_per_split, repeat=repeat, indexed=row_index is not None,
         whole_tiles=in_features % block_k == 0 and stored[0].shape[2] % block_n == 0, fp8_rows=fp8_rows,
         scale_block_n=block[1] if scale is not None else 1, precision=precision, tiling=tiling)
     partials = pl.pallas_call(
         kernel,
-        grid=(tile_count, column_blocks, splits),
+        grid=(tile_count, len(products) * column_blocks, splits),
         in_specs=[pl.BlockSpec() for _ in args],   # unblocked: the kernel indexes its rows, group and columns
         out_specs=pl.BlockSpec(),
-        out_shape=jax.ShapeDtypeStruct((splits, rows, out_features), out_dtype if splits == 1 else jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((splits, rows, len(products) * out_features),
+                                       out_dtype if splits == 1 else jnp.float32),
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="specjax_grouped_matmul",
     )(*args)
-    out = functools.reduce(jnp.add, list(partials)).astype(out_dtype)   # in split order: one rounding, always
-    return jnp.where((jnp.arange(rows) < covered)[:, None], out, 0) if tiling[0] == "table" else out
+    if split_partials:
+        out = partials.astype(jnp.float32)
+    else:
+        out = functools.reduce(jnp.add, list(partials)).astype(out_dtype)   # in split order: one rounding, always
+    out = jnp.where((jnp.arange(rows) < covered)[:, None], out, 0) if tiling[0] == "table" else out
+    if not listed:
+        return out
+    return [out[..., p * out_features:(p + 1) * out_features] for p in range(len(products))]
 
 
 def f16_rows(x: jax.Array, interpret: bool = False, norm: tuple[jax.Array, float] | None = None,
@@ -343,6 +365,12 @@ def _f16_rows_kernel(x_ref, *refs, block_k: int, eps: float | None, keep_normali
     unscale_ref[row] = lax.bitcast_convert_type((field - 14) << 23, jnp.float32)
 
 
+def product_dtype(rows_dtype, w: jax.Array):
+    """The dtype of rows times a stack: the rows' for a 1-byte (FP8) stack, else the wider of the two (jnp's
+    promotion: bf16 rows times an fp32 matrix, a router's, multiply in fp32)."""
+    return rows_dtype if w.dtype.itemsize == 1 else jnp.promote_types(rows_dtype, w.dtype)
+
+
 def takes_f16_rows(dtype, w: jax.Array, fp8_rows: bool) -> bool:
     """Whether the kernel's default takes rows of `dtype` against `w` as scaled float16: bf16 rows and a 1-byte
     stack (not under fp8_rows, which quantizes them instead)."""
@@ -381,15 +409,17 @@ def _as_pairs(w: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(as_bytes.reshape(*w.shape[:2], -1, 2), jnp.uint16)
 
 
-def _grouped_kernel(*refs, starts: tuple[int, ...], pairs: bool, weight_dtype, has_scale: bool,
+def _grouped_kernel(*refs, starts: tuple[int, ...], products: int, column_blocks: int, pairs: bool, weight_dtype,
+                    has_scale: bool,
                     has_unscale: bool, in_features: int, out_features: int, block_k: int, block_n: int,
                     chunks_per_split: int, repeat: int, indexed: bool, whole_tiles: bool, fp8_rows: bool,
                     scale_block_n: int, precision: lax.Precision, tiling: tuple) -> None:
     """One (tile, column block, K split): nothing for an empty tile; else the K loop over the split's chunks of
     dots (one per column phase: even and odd columns of a pair view), scaled per block, and one masked store per
     phase into the split's partial output (times each row's unscale where the rows came as scaled float16).
-    `refs`: the stacks (the first group of each at `starts`), their scales (has_scale), the unscale (has_unscale),
-    the output; a tile's group picks its stack, whose loop alone runs.
+    `refs`: the stacks (the first group of each at `starts`; for each of `products` products in turn), their
+    scales (has_scale), the unscale (has_unscale), the output; a tile's group picks its stack, whose loop alone
+    runs, and the column block (of `column_blocks` per product) its product, whose columns it stores.
     Where the blocks tile the stack whole (`whole_tiles`, every DeepSeek shape), weight and scale loads go
     unmasked: no per-element predicates in the loop that streams the bytes. Output row r reads x's row
     r // repeat (row_groups [M, R]: each of x's rows serves R output rows), where `indexed` the index array's
@@ -412,11 +442,14 @@ def _grouped_kernel(*refs, starts: tuple[int, ...], pairs: bool, weight_dtype, h
         group = tile % stride
         first = group + (tile // stride) * BLOCK_M * stride
         end = jnp.minimum(first + BLOCK_M * stride, rows)
-    w_refs = refs[:len(starts)]
-    scale_refs = refs[len(starts):2 * len(starts)] if has_scale else (None,) * len(starts)
+    stacks = len(starts) * products
+    w_refs = refs[:stacks]
+    scale_refs = refs[stacks:2 * stacks] if has_scale else (None,) * stacks
     unscale_ref = refs[-2] if has_unscale else None
     out_ref = refs[-1]
-    stored_col = pl.program_id(1) * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
+    product, column_block = ((0, pl.program_id(1)) if products == 1
+                             else (lax.div(pl.program_id(1), column_blocks), lax.rem(pl.program_id(1), column_blocks)))
+    stored_col = column_block * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
     stored_ok = stored_col < w_refs[0].shape[2]
     phases = 2 if pairs else 1
     out_cols = [stored_col * phases + phase for phase in range(phases)]
@@ -425,7 +458,9 @@ def _grouped_kernel(*refs, starts: tuple[int, ...], pairs: bool, weight_dtype, h
     source = plt.load(index_ref.at[row], mask=row_ok, other=0) if index_ref is not None else row
     x_row = source if repeat == 1 else lax.div(source, repeat)
 
-    def run(w_ref, scale_ref, local):
+    compute_dtype = x_ref.dtype if weight_dtype.itemsize == 1 else jnp.promote_types(x_ref.dtype, weight_dtype)
+
+    def run(w_ref, scale_ref, local, offset):
         def accumulate(chunk, totals):
             ks = chunk * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
             k_ok = ks < in_features
@@ -434,7 +469,7 @@ def _grouped_kernel(*refs, starts: tuple[int, ...], pairs: bool, weight_dtype, h
             raw = plt.load(w_ref.at[local, ks[:, None], stored_col[None, :]],
                            **_bounds(whole_tiles, k_ok[:, None] & stored_ok[None, :], 0 if pairs else 0.0))
             tiles = _unpair(raw, weight_dtype) if pairs else (raw,)
-            lhs, row_scale = _quantized(xs, weight_dtype) if fp8_rows else (xs, None)
+            lhs, row_scale = _quantized(xs, weight_dtype) if fp8_rows else (xs.astype(compute_dtype), None)
             updated = []
             for total, weights, cols in zip(totals, tiles, out_cols):
                 part = plt.dot(lhs, weights.astype(lhs.dtype), precision=precision)
@@ -454,14 +489,17 @@ def _grouped_kernel(*refs, starts: tuple[int, ...], pairs: bool, weight_dtype, h
             row_unscale = plt.load(unscale_ref.at[x_row], mask=row_ok, other=0.0)[:, None]
             totals = tuple(total * row_unscale for total in totals)
         for total, cols in zip(totals, out_cols):
-            plt.store(out_ref.at[split, row[:, None], cols[None, :]], total.astype(out_ref.dtype),
+            plt.store(out_ref.at[split, row[:, None], offset + cols[None, :]], total.astype(out_ref.dtype),
                       mask=row_ok[:, None] & (cols < out_features)[None, :])
 
-    for w_ref, scale_ref, lo, hi in zip(w_refs, scale_refs, starts, [*starts[1:], None]):
-        mine = first < end   # a stack's bounds tested only where another stack lies beside it
+    bounds = list(zip(starts, [*starts[1:], None]))
+    for index, (w_ref, scale_ref) in enumerate(zip(w_refs, scale_refs)):
+        p, (lo, hi) = index // len(starts), bounds[index % len(starts)]
+        mine = first < end   # a stack's bounds (a product) tested only where another stack (product) lies beside
         mine = mine if lo == 0 else mine & (group >= lo)
         mine = mine if hi is None else mine & (group < hi)
-        pl.when(mine)(functools.partial(run, w_ref, scale_ref, group - lo))
+        mine = mine if products == 1 else mine & (product == p)
+        pl.when(mine)(functools.partial(run, w_ref, scale_ref, group - lo, p * out_features))
 
 
 def _bounds(whole_tiles: bool, mask: jax.Array, other) -> dict:

@@ -1,11 +1,12 @@
 """MoE expert selection (kernels/moe_routing_reference.py's rules) as one Pallas kernel lowered through Triton:
 one program per token does the scoring, the group limit, the top-k and the weights in registers. Written with
 XLA ops these are a reduction or a sort each, about ten launches per MoE layer at decode (DeepSeek-V3: 58 such
-layers a step); the router's matmul before it stays XLA's.
+layers a step).
 
 Each token's choice depends on its own logits alone, so a decode step and a verify pass pick the same experts
 with the same weights for the same token. Ties go to the lower expert and the lower group, as lax.top_k breaks
 them; a token's weights are summed in expert-rank order, so they may differ from the reference's by rounding.
+The logits may come as the router product's partial sums over a split of K, which the kernel sums itself.
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ from specjax.kernels.moe_routing_reference import Routing
 def select_experts_triton(logits: jax.Array, bias: jax.Array | None, routing: Routing, *,
                           interpret: bool = False, always_expert: int | None = None) -> tuple[jax.Array, jax.Array]:
     """select_experts_reference as one kernel: ids [N, k] int32 best first, weights [N, k] fp32 (k + 1 columns
-    with always_expert, written by the same launch)."""
-    tokens, experts = logits.shape
+    with always_expert, written by the same launch). logits [S, N, E]: partial sums of the logits, summed in
+    split order first (as a chain of adds over the leading axis sums them)."""
+    logits = logits if logits.ndim == 3 else logits[None]
+    _, tokens, experts = logits.shape
     k = routing.num_experts_per_tok + (always_expert is not None)
     args = [logits.astype(jnp.float32)] + ([] if bias is None else [bias.astype(jnp.float32)])
     kernel = functools.partial(_routing_kernel, routing=routing, experts=experts, has_bias=bias is not None,
@@ -48,7 +51,9 @@ def _routing_kernel(logits_ref, *refs, routing: Routing, experts: int, has_bias:
     width = pl.next_power_of_2(experts)
     expert = jnp.arange(width, dtype=jnp.int32)
     real = expert < experts
-    logits = plt.load(logits_ref.at[token, expert], mask=real, other=-jnp.inf)
+    logits = plt.load(logits_ref.at[0, token, expert], mask=real, other=-jnp.inf)
+    for split in range(1, logits_ref.shape[0]):   # in split order, as the partials' sum beside a call rounds
+        logits = logits + plt.load(logits_ref.at[split, token, expert], mask=real, other=0.0)
     scores = _scores(logits, routing.scoring)
     choice = scores if bias_ref is None else scores + plt.load(bias_ref.at[expert], mask=real, other=0.0)
     choice = jnp.where(real, choice, -jnp.inf)

@@ -36,7 +36,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from specjax.kernels.grouped_matmul import ScaledRows, grouped_matmul, group_count, prepared_rows
-from specjax.kernels.moe_routing import select_experts
+from specjax.kernels.moe_routing import router_logits, select_experts
 from specjax.kernels.moe_routing_reference import Routing, with_always_expert
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.projection_reference import rms_norm
@@ -52,9 +52,9 @@ _COMPARE_SORT_MAX_SLOTS = 4096
 def route(x: jax.Array, w_router: jax.Array, router_bias: jax.Array | None, routing: Routing,
           kernels: KernelPolicy = KernelPolicy(), always_expert: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Expert ids [N, k] (int32, best first) and their weights [N, k] (fp32) for tokens x [N, hidden]: the logits
-    x W in fp32 at full precision, then kernels/moe_routing.py's selection (always_expert: its id, weight 1, as
-    one more column)."""
-    logits = jnp.dot(x.astype(jnp.float32), w_router.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    x W in fp32 at full precision, then the selection (kernels/moe_routing.py; always_expert: its id, weight 1,
+    as one more column)."""
+    logits = router_logits(x, w_router, routing, kernels=kernels)
     return select_experts(logits, router_bias, routing, kernels=kernels, always_expert=always_expert)
 
 
@@ -170,14 +170,20 @@ def _grouped_experts(x, ids, weights, experts, block, kernels: KernelPolicy | No
     if kernels is None:
         stacks = dict(zip(EXPERT_LEAVES, _stacks(experts, block, x.dtype)))
 
-        def matmul(lhs, name, groups):
-            return _ragged_dot(lhs, stacks[name], groups["group_sizes"])
+        def matmul(lhs, names, groups):
+            return [_ragged_dot(lhs, stacks[name], groups["group_sizes"]) for name in names]
     else:
-        def matmul(lhs, name, groups):
-            return grouped_matmul(lhs, experts[name], **groups, scale=experts.get(name + "_scale"),
-                                  block=block if name + "_scale" in experts else None, kernels=kernels)
-    hidden = jax.nn.silu(matmul(slots, "we_gate", into)) * matmul(slots, "we_up", into)
-    out = matmul(hidden, "we_down", within)
+        def matmul(lhs, names, groups):
+            fp8 = names[0] + "_scale" in experts
+            return grouped_matmul(lhs, [experts[name] for name in names], **groups,
+                                  scale=[experts[name + "_scale"] for name in names] if fp8 else None,
+                                  block=block if fp8 else None, kernels=kernels)
+    # Sorted slots' gate and up in one launch: their tiles run in waves, whose last one the pair then pays once;
+    # a token's slots (9 tiles) fill the GPU in one wave per launch, which joined they overfill (H100 profile:
+    # benchmarks/RESULTS.md, "Gate and up in one launch").
+    gate, up = (matmul(slots, ["we_gate"], into) + matmul(slots, ["we_up"], into) if in_slot_order
+                else matmul(slots, ["we_gate", "we_up"], into))
+    (out,) = matmul(jax.nn.silu(gate) * up, ["we_down"], within)
     if not in_slot_order:
         out = out[rank]   # a gather the combine's fusion takes in (a scatter needed zeros of its own)
     return _combine(out.reshape(num_tokens, k, -1), weights, x.dtype)
