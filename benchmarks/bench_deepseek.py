@@ -165,17 +165,18 @@ STEPS_TRACED = 5
 def v3_step_suite(bandwidth: float, smoke: bool, batches: tuple[int, ...], forms: tuple[str, ...] = DEFAULT_FORMS,
                   profile: bool = False) -> list[dict]:
     """Decode steps of rows of distinct random tokens (so that rows route apart), the grouped matmul kernel on and
-    off (`forms`); with `profile`, where the kernel form's steps spend their device time."""
+    off (`forms`); with `profile`, where each form's steps spend their device time (kernel by kernel: the
+    profiler's times, unlike step times across processes, compare forms to a microsecond)."""
     cfg = config(V3_4_LAYERS, smoke)
     weights, target = stepped_subject(cfg)
     subjects = form_subjects(cfg, target, forms)
     if profile:
-        traced = {B: step_kernels(target, B) for B in batches}
-        profiles = [profile_row(kernels, STEPS_TRACED, batch=B) for B, kernels in traced.items()]
+        traced = {(form, B): step_kernels(model, B) for form, model in subjects.items() for B in batches}
+        profiles = [profile_row(kernels, STEPS_TRACED, form=form, batch=B) for (form, B), kernels in traced.items()]
         print_table(profiles)
         write_json("bench_deepseek_v3_profile", profiles)
-        write_json("bench_deepseek_v3_launches", [dict(batch=B, step=last_step(kernels, STEPS_TRACED))
-                                                  for B, kernels in traced.items()])
+        write_json("bench_deepseek_v3_launches", [dict(form=form, batch=B, step=last_step(kernels, STEPS_TRACED))
+                                                  for (form, B), kernels in traced.items()])
     rows = []
     for B in batches:
         distinct = distinct_experts(weights, cfg, B)
@@ -334,8 +335,8 @@ def main(argv=None) -> None:
                         help="v3_step's and v2_e2e's forms: kernel, xla, fp8_rows, head_kernel, programsN")
     parser.add_argument("--batches", type=int, nargs="+", help="batch sizes (default: 1 8 32 128 for v3_step, 1 8 "
                         "for the V2-Lite suites; --smoke: 1)")
-    parser.add_argument("--profile", action="store_true", help="trace the kernel form's steps (v3_step) or loops "
-                        "(v2_e2e) too")
+    parser.add_argument("--profile", action="store_true", help="trace each form's steps (v3_step) or the kernel "
+                        "form's loops (v2_e2e) too")
     parser.add_argument("--target", choices=["h200"], help="compile v3_step's forms for this GPU here and count "
                         "their launches; nothing runs")
     args = parser.parse_args(argv)
