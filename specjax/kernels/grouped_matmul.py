@@ -35,8 +35,9 @@ def grouped_matmul(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Array, ..
     rms_norm(x, weight, eps) multiplied instead (inside the kernel's row scaling where it runs). x may be
     ScaledRows (`prepared_rows`: bf16 rows already as the kernel takes them). leading_columns: x [M, K'] with K' >=
     K, its first K columns the rows (read in place where the kernel runs: a slice of them would be a copy). Output
-    in the (normalised) rows' dtype, or a plain stack's where that is wider (jnp's promotion). w (and scale) a list of such, alike in every shape and dtype: their products
-    of the same rows, as a list (in one launch where the kernel runs: an MLP's gate and up)."""
+    in the (normalised) rows' dtype, or a plain stack's where that is wider (jnp's promotion). w (and scale) a
+    list of such, alike in every shape and dtype: their products of the same rows, as a list (in one launch where
+    the kernel runs: sorted expert slots' gate and up)."""
     products, product_scales = as_products(w, scale)
     stacks, scales = as_stacks(products[0], product_scales[0])
     rows_in = x.values if isinstance(x, ScaledRows) else x
@@ -131,8 +132,9 @@ def _check_products(products: list, scales: list) -> None:
     first, first_scales = as_stacks(products[0], scales[0])
     for w_p, scale_p in zip(products[1:], scales[1:]):
         stacks, stack_scales = as_stacks(w_p, scale_p)
+        scale_shapes = [None if s is None else s.shape for s in stack_scales]
         if ([(s.shape, s.dtype) for s in stacks] != [(s.shape, s.dtype) for s in first]
-                or [getattr(s, "shape", None) for s in stack_scales] != [getattr(s, "shape", None) for s in first_scales]):
+                or scale_shapes != [None if s is None else s.shape for s in first_scales]):
             raise ValueError(f"grouped_matmul: the products of one call must be alike in every stack's shape, dtype "
                              f"and scale, got {[list(s.shape) for s in first]} and {[list(s.shape) for s in stacks]}")
 

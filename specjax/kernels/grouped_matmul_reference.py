@@ -19,9 +19,10 @@ def sorted_row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
 def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = None, *,
                              row_groups: jax.Array | None = None, scale: jax.Array | None = None,
                              block: tuple[int, int] | None = None) -> jax.Array:
-    """x [M, K] @ w[group of the row] for w [G, K, N], in x's dtype (a plain stack of a wider dtype: in its). The rows' groups: group_sizes [G] for rows
-    sorted by group (rows past sum(group_sizes) are zero, as lax.ragged_dot), or row_groups [M] for rows in any
-    order, or row_groups [M, R] for R groups per row (out [M * R, N]: each row repeated R times)."""
+    """x [M, K] @ w[group of the row] for w [G, K, N], in x's dtype (a plain stack of a wider dtype: in its). The
+    rows' groups: group_sizes [G] for rows sorted by group (rows past sum(group_sizes) are zero, as
+    lax.ragged_dot), or row_groups [M] for rows in any order, or row_groups [M, R] for R groups per row (out
+    [M * R, N]: each row repeated R times)."""
     if row_groups is not None and row_groups.ndim == 2:
         x, row_groups = jnp.repeat(x, row_groups.shape[1], axis=0), row_groups.reshape(-1)
     rows, in_features = x.shape

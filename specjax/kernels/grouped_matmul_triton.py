@@ -255,10 +255,11 @@ def grouped_matmul_triton(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Ar
     all_scales = [scale_p for _, scales_p in products for scale_p in scales_p]
     args = [*tiles, *indices, x, *stored] + [a for a in (*all_scales, unscale) if a is not None]
     kernel = functools.partial(
-        _grouped_kernel, starts=starts, products=len(products), column_blocks=column_blocks, pairs=pairs, weight_dtype=w.dtype, has_scale=scale is not None,
-        has_unscale=unscale is not None, in_features=in_features, out_features=out_features, block_k=block_k,
-        block_n=block_n, chunks_per_split=chunks_per_split, repeat=repeat, indexed=row_index is not None,
-        whole_tiles=in_features % block_k == 0 and stored[0].shape[2] % block_n == 0, fp8_rows=fp8_rows,
+        _grouped_kernel, starts=starts, products=len(products), column_blocks=column_blocks, pairs=pairs,
+        weight_dtype=w.dtype, has_scale=scale is not None, has_unscale=unscale is not None, in_features=in_features,
+        out_features=out_features, block_k=block_k, block_n=block_n, chunks_per_split=chunks_per_split,
+        repeat=repeat, indexed=row_index is not None, fp8_rows=fp8_rows,
+        whole_tiles=in_features % block_k == 0 and stored[0].shape[2] % block_n == 0,
         scale_block_n=block[1] if scale is not None else 1, precision=precision, tiling=tiling)
     partials = pl.pallas_call(
         kernel,
@@ -410,9 +411,8 @@ def _as_pairs(w: jax.Array) -> jax.Array:
 
 
 def _grouped_kernel(*refs, starts: tuple[int, ...], products: int, column_blocks: int, pairs: bool, weight_dtype,
-                    has_scale: bool,
-                    has_unscale: bool, in_features: int, out_features: int, block_k: int, block_n: int,
-                    chunks_per_split: int, repeat: int, indexed: bool, whole_tiles: bool, fp8_rows: bool,
+                    has_scale: bool, has_unscale: bool, in_features: int, out_features: int, block_k: int,
+                    block_n: int, chunks_per_split: int, repeat: int, indexed: bool, whole_tiles: bool, fp8_rows: bool,
                     scale_block_n: int, precision: lax.Precision, tiling: tuple) -> None:
     """One (tile, column block, K split): nothing for an empty tile; else the K loop over the split's chunks of
     dots (one per column phase: even and odd columns of a pair view), scaled per block, and one masked store per
