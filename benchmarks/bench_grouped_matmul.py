@@ -4,8 +4,9 @@ decode and verify. V3: 256 FP8 experts of 7168 x 2048 (top 8); V2-Lite: 64 bf16 
 
 The floor reads the distinct experts the step's routing selects (random distinct experts per token) once, over
 the copy bandwidth measured in the same process; each form's error is against the gathered one. `--sweep` times
-launch parameters of the kernel on the calls of a V3 step (routed experts, FP8 projections as one group), over
-every axis of SWEEP or those `--sweep-over` names (the others as the default config has them).
+launch parameters of the kernel on the calls of a V3 step (routed experts, FP8 projections as one group, the
+router, MLA's per-head products), over every axis of SWEEP or those `--sweep-over` names (the others as the
+default config has them).
 
     PYTHONPATH=. python benchmarks/bench_grouped_matmul.py [--sweep | --sweep-only] [--sweep-over AXES] [--smoke]
 
@@ -23,16 +24,16 @@ from benchmarks.common import (add_sweep_arguments, copy_bandwidth, interpret_ke
                                relative_error, swept_axes, swept_configs, write_json)
 from benchmarks.device_trace import busy_ns, traced_kernels
 from specjax.kernels.grouped_matmul import grouped_matmul
-from specjax.kernels.grouped_matmul_reference import grouped_matmul_reference
 from specjax.kernels.grouped_matmul_triton import default_config, needs_pairs
+from specjax.kernels.moe_routing import ROUTER_CONFIG
 from specjax.kernels.policy import KernelPolicy
 from specjax.models import random_init
 from specjax.models.fp8 import FP8_BLOCK
 from specjax.models.moe import routed_experts
 
-SHAPES = {"v3_fp8": dict(experts=256, hidden=7168, inter=2048, top=8, fp8=True),
+SHAPES = {"v3_fp8": dict(experts=256, hidden=7168, inter=2048, top=8, fp8=True, heads=128, nope=128, rank=512),
           "v2_lite_bf16": dict(experts=64, hidden=2048, inter=1408, top=6, fp8=False)}
-SMOKE_SHAPES = {"v3_fp8": dict(experts=8, hidden=256, inter=128, top=2, fp8=True)}
+SMOKE_SHAPES = {"v3_fp8": dict(experts=8, hidden=256, inter=128, top=2, fp8=True, heads=4, nope=32, rank=64)}
 TOKENS, SMOKE_TOKENS = (1, 8, 32, 128), (1, 4)
 FORMS = {"kernel": ("grouped", KernelPolicy(interpret=interpret_kernels())),
          "xla gathered": ("gathered", KernelPolicy(impl="reference")),
@@ -41,7 +42,7 @@ FORMS = {"kernel": ("grouped", KernelPolicy(interpret=interpret_kernels())),
 # it is (impossible for a 2-4 GiB one), True reads it as column pairs (the default); f16_rows: False multiplies
 # the bf16 rows as they are, True as scaled float16 (the default); k_splits: K cut into that many programs' runs
 # (the default aims at a number of programs per tile)
-SWEEP = dict(block_n=(64, 128, 256), num_warps=(4, 8), num_stages=(2, 3, 4), pairs=(False, True), f16_rows=(False, True),
+SWEEP = dict(block_n=(32, 64, 128, 256), num_warps=(4, 8), num_stages=(2, 3, 4), pairs=(False, True), f16_rows=(False, True),
              k_splits=(None, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32))
 # The row counts the single matrices are swept at: a decode step's at batch 1 and 8.
 SINGLE_ROWS = (1, 8)
@@ -101,7 +102,9 @@ def sweep_cases(shape: dict, matrices: tuple[str, ...] | None = None) -> list[di
     token's 8 slots (in slot order, as a batch-1 step runs them: the gate from the token's one row, the down
     projection from its 8 hidden rows) and at 8 tokens' 64 (sorted), and the FP8 projections as one group (rows in
     order, as fp8.linear calls them) at 1 and 8 rows: q_a and kv_a side by side (wqkv_a), q_b, o_proj, the dense
-    layer's gate, the shared expert's gate. `matrices`: only the calls of these matrices."""
+    layer's gate, the shared expert's gate; the router (fp32, bf16 rows; its own config, ROUTER_CONFIG) at 1 and 8
+    rows, and MLA's per-head products W_UK and W_UV (bf16, a row per head) at 1 and 8 tokens. `matrices`: only the
+    calls of these matrices."""
     experts = experts_of(shape)
     ids, _ = routing_of(shape, 1, 8)
     cases = [dict(matrix="we_gate", rows=1, w=experts["we_gate"], scale=experts["we_gate_scale"],
@@ -120,6 +123,15 @@ def sweep_cases(shape: dict, matrices: tuple[str, ...] | None = None) -> list[di
             single = experts_of(dict(shape, experts=1, hidden=rows, inter=cols), seed=index + 1)
             cases += [dict(matrix=name, rows=tokens, w=single["we_gate"], scale=single["we_gate_scale"],
                            call=dict(interleaved=True)) for tokens in SINGLE_ROWS]
+    keys = jax.random.split(jax.random.key(7), 3)
+    router = jax.random.normal(keys[0], (1, H, shape["experts"]), jnp.float32) / np.sqrt(H)
+    cases += [dict(matrix="router", rows=tokens, w=router, scale=None, call=dict(interleaved=True),
+                   config=ROUTER_CONFIG) for tokens in SINGLE_ROWS]
+    heads, nope, rank = shape["heads"], shape["nope"], shape["rank"]
+    for key, (name, (rows, cols)) in zip(keys[1:], {"w_uk": (nope, rank), "w_uv": (rank, nope)}.items()):
+        w = random_init.normal(key, (heads, rows, cols), jnp.bfloat16, scale=0.02)
+        cases += [dict(matrix=name, rows=heads * tokens, w=w, scale=None, call=dict(interleaved=True))
+                  for tokens in SINGLE_ROWS]
     return [case for case in cases if matrices is None or case["matrix"] in matrices]
 
 
@@ -140,20 +152,23 @@ def sweep_rows(shape: dict, bandwidth: float, axes: tuple[str, ...] = tuple(SWEE
     rows = []
     for case in sweep_cases(shape, matrices):
         w, scale = case["w"], case["scale"]
-        call = case["call"]
+        call, block = case["call"], None if case["scale"] is None else FP8_BLOCK
         x = random_init.normal(jax.random.key(case["rows"]), (case["rows"], w.shape[1]), jnp.bfloat16, scale=1.0)
-        reference_groups = (dict(group_sizes=jnp.full((1,), case["rows"], jnp.int32)) if "interleaved" in call
-                            else call)   # one group's rows in order: the group's sorted rows
-        want = grouped_matmul_reference(x, w, **reference_groups, scale=scale, block=FP8_BLOCK)
+        arrays = {key: value for key, value in call.items() if key != "interleaved"}
+        interleaved = "interleaved" in call
+        want = grouped_matmul(x, w, **arrays, scale=scale, block=block, interleaved=interleaved,
+                              kernels=KernelPolicy(impl="reference"))
         selected = (jnp.unique(call["row_groups"]).size if "row_groups" in call
-                    else int((call["group_sizes"] > 0).sum()) if "group_sizes" in call else 1)
-        floor_ms = 1e3 * selected * (w[0].nbytes + scale[0].nbytes) / bandwidth
-        for config in swept_configs(default_config(w.shape[0], w.dtype.itemsize), SWEEP, axes):
+                    else int((call["group_sizes"] > 0).sum()) if "group_sizes" in call else w.shape[0])
+        floor_ms = 1e3 * selected * (w[0].nbytes + (0 if scale is None else scale[0].nbytes)) / bandwidth
+        base = case.get("config") or default_config(w.shape[0], w.dtype.itemsize)
+        for config in swept_configs(base, SWEEP, axes):
             if config.pairs is False and needs_pairs(w):   # its offsets need pairs
                 continue
+            if w.dtype.itemsize != 1 and (config.pairs or config.f16_rows):   # FP8 stacks' options only
+                continue
             fn = jax.jit(lambda x, w, scale, arrays, config=config: grouped_matmul(
-                x, w, **arrays, scale=scale, block=FP8_BLOCK, config=config, interleaved="interleaved" in call))
-            arrays = {key: value for key, value in call.items() if key != "interleaved"}
+                x, w, **arrays, scale=scale, block=block, config=config, interleaved=interleaved))
             got = fn(x, w, scale, arrays)
             device_ms, kernel_ms = device_times(lambda: fn(x, w, scale, arrays))
             row = dict(matrix=case["matrix"], rows=case["rows"], **{axis: getattr(config, axis) for axis in SWEEP},
@@ -169,7 +184,7 @@ def main() -> None:
     add_sweep_arguments(parser, SWEEP)
     parser.add_argument("--shapes", default=",".join(SHAPES), help="the forms' shapes: " + ", ".join(SHAPES))
     parser.add_argument("--sweep-matrices", help="sweep only these calls' matrices (comma list; default all): "
-                        "we_gate, we_down, wqkv_a, wq_b, wo, w_gate, ws_gate")
+                        "we_gate, we_down, wqkv_a, wq_b, wo, w_gate, ws_gate, router, w_uk, w_uv")
     parser.add_argument("--smoke", action="store_true", help="tiny experts, to check the script")
     args = parser.parse_args()
     axes = swept_axes(parser, args, SWEEP)
