@@ -11,6 +11,13 @@ import jax
 import jax.numpy as jnp
 
 
+def product_dtype(rows_dtype, weight_dtype):
+    """The dtype of rows times a stack: the rows' for a 1-byte (FP8) stack, else the wider of the two (jnp's
+    promotion: bf16 rows times an fp32 matrix, a router's, multiply in fp32)."""
+    weight_dtype = jnp.dtype(weight_dtype)
+    return rows_dtype if weight_dtype.itemsize == 1 else jnp.promote_types(rows_dtype, weight_dtype)
+
+
 def sorted_row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
     """The group of each of `rows` rows sorted by group (rows past sum(group_sizes): the last group)."""
     return jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=rows)
@@ -27,7 +34,7 @@ def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array 
         x, row_groups = jnp.repeat(x, row_groups.shape[1], axis=0), row_groups.reshape(-1)
     rows, in_features = x.shape
     groups = sorted_row_groups(group_sizes, rows) if row_groups is None else row_groups
-    dtype = x.dtype if w.dtype.itemsize == 1 else jnp.promote_types(x.dtype, w.dtype)
+    dtype = product_dtype(x.dtype, w.dtype)
     x, weights = x.astype(dtype), w[groups].astype(dtype)                             # [M, K, N]
     if scale is None:
         out = jnp.einsum("mk,mkn->mn", x, weights, preferred_element_type=jnp.float32)

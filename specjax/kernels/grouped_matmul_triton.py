@@ -45,6 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from specjax.kernels.grouped_matmul_reference import product_dtype
 from specjax.kernels.projection_reference import rms_norm
 
 # Triton's matrix units need at least 16 rows per dot.
@@ -219,7 +220,7 @@ def grouped_matmul_triton(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Ar
     fp8_rows = fp8_rows and w.dtype.itemsize == 1
     scaled = isinstance(x, ScaledRows)
     out_dtype = product_dtype(jnp.bfloat16 if scaled else x.dtype if norm is None
-                              else jnp.result_type(x.dtype, norm[0].dtype), w)   # the multiplied rows'
+                              else jnp.result_type(x.dtype, norm[0].dtype), w.dtype)   # the multiplied rows'
     as_f16 = _as_f16(out_dtype, w, config, fp8_rows)
     if scaled and (not as_f16 or norm is not None):
         raise ValueError("grouped_matmul: ScaledRows are rows the kernel takes as float16 against a 1-byte stack "
@@ -366,12 +367,6 @@ def _f16_rows_kernel(x_ref, *refs, block_k: int, eps: float | None, keep_normali
     unscale_ref[row] = lax.bitcast_convert_type((field - 14) << 23, jnp.float32)
 
 
-def product_dtype(rows_dtype, w: jax.Array):
-    """The dtype of rows times a stack: the rows' for a 1-byte (FP8) stack, else the wider of the two (jnp's
-    promotion: bf16 rows times an fp32 matrix, a router's, multiply in fp32)."""
-    return rows_dtype if w.dtype.itemsize == 1 else jnp.promote_types(rows_dtype, w.dtype)
-
-
 def takes_f16_rows(dtype, w: jax.Array, fp8_rows: bool) -> bool:
     """Whether the kernel's default takes rows of `dtype` against `w` as scaled float16: bf16 rows and a 1-byte
     stack (not under fp8_rows, which quantizes them instead)."""
@@ -458,7 +453,7 @@ def _grouped_kernel(*refs, starts: tuple[int, ...], products: int, column_blocks
     source = plt.load(index_ref.at[row], mask=row_ok, other=0) if index_ref is not None else row
     x_row = source if repeat == 1 else lax.div(source, repeat)
 
-    compute_dtype = x_ref.dtype if weight_dtype.itemsize == 1 else jnp.promote_types(x_ref.dtype, weight_dtype)
+    compute_dtype = product_dtype(x_ref.dtype, weight_dtype)
 
     def run(w_ref, scale_ref, local, offset):
         def accumulate(chunk, totals):
