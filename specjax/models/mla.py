@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 from specjax.kernels.attention import attention
 from specjax.kernels.attention_reference import QUERY_CHUNK
 from specjax.kernels.grouped_matmul import grouped_matmul
+from specjax.kernels.grouped_matmul_triton import GroupedMatmulConfig
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.projection_reference import rms_norm
 from specjax.kernels.tree_mask import TreeMask, tree_visible_slots
@@ -166,8 +167,16 @@ def per_head_matmul(x: jax.Array, w: jax.Array, kernels: KernelPolicy) -> jax.Ar
     batch, tokens, heads, width = x.shape
     if not kernels.use_head_matmul_kernel(batch * tokens):
         return jnp.einsum("bthk,hkn->bthn", x, w)
-    out = grouped_matmul(x.reshape(-1, width), w, interleaved=True, kernels=kernels)
+    out = grouped_matmul(x.reshape(-1, width), w, interleaved=True, kernels=kernels, config=head_config(w))
     return out.reshape(batch, tokens, heads, -1)
+
+
+def head_config(w: jax.Array) -> GroupedMatmulConfig:
+    """The grouped kernel's launch parameters for per-head matrices w [H, K, N] (a few rows each): column blocks
+    as wide as N allows up to 256 and K whole in each program, where the bf16 stacks' default (32 columns, for
+    experts) cuts V3's 128 heads into thousands of 8 KB programs (sweep in benchmarks/RESULTS.md, "The router's
+    and MLA's products: launch parameters")."""
+    return GroupedMatmulConfig(block_n=min(256, w.shape[2]), k_splits=1)
 
 
 def expanded_attention(q_nope: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: jax.Array | int,
