@@ -3,14 +3,17 @@ Bernoulli acceptance at given conditional rates and per-tier step times, so that
 best fixed k shows apart from what the GPU does (issue 26).
 
     PYTHONPATH=. python benchmarks/bench_policy.py [--costs 0.899,0.971,1.027,1.120] [--rows 1,2,4,8,32]
-        [--steps 2000] [--seeds 3] [--switch 32,128,512] [--full-step-rows N] [--optimistic-verdicts V] [--smoke]
+        [--steps 2000] [--seeds 3] [--switch 32,128,512] [--full-step-rows N] [--optimistic-verdicts V]
+        [--plain-margin-se Z] [--smoke]
 
 Every row is live for the whole run and has room for every draft. Stationary cases: the synthetic acceptance
-lengths of bench_sweep.py (vLLM's schedule: AL 1.2 = rates 0.2, 0, 0) and a geometric 0.6. `--switch P`: the
+lengths of bench_sweep.py (vLLM's schedule: AL 1.2 = rates 0.2, 0, 0; AL 1.1 and 1.15, where plain decoding wins
+at the default step times) and a geometric 0.6. `--switch P`: the
 rates alternate every P steps between 0.9 at every position and 0.1 then 0 (a drafter that is right, then
 wrong), against the best single fixed k and against the oracle that takes each phase's best k.
 `--full-step-rows N` / `--optimistic-verdicts V` override adaptive.FULL_STEP_ROWS / OPTIMISTIC_VERDICTS (1 and
-1e9: every step weighs alike from the start, the rule before either existed).
+1e9: every step weighs alike from the start, the rule before either existed); `--plain-margin-se Z`
+adaptive.PLAIN_MARGIN_SE (0: plain on the running rates alone, the rule before it).
 Prints auto's tokens per unit time over the best fixed k's expectation (mean, min-max over seeds) and the steps
 it ran at each k (first seed), and writes them to $OUT/bench_policy.json. `--smoke`: one row, 16 steps, one seed.
 """
@@ -26,7 +29,8 @@ from benchmarks.common import write_json
 from specjax.config.speculation_policy import SpeculationPolicy, auto_tiers
 from specjax.engine import adaptive
 
-STATIONARY = {"AL 1.2": (0.2, 0.0, 0.0), "AL 1.5": (0.5, 0.0, 0.0), "AL 2.0": (1.0, 0.0, 0.0),
+STATIONARY = {"AL 1.1": (0.1, 0.0, 0.0), "AL 1.15": (0.15, 0.0, 0.0), "AL 1.2": (0.2, 0.0, 0.0),
+              "AL 1.5": (0.5, 0.0, 0.0), "AL 2.0": (1.0, 0.0, 0.0),
               "AL 3.0": (1.0, 1.0, 0.0), "geometric 0.6": (0.6, 0.6, 0.6)}
 RIGHT, WRONG = (0.9, 0.9, 0.9), (0.1, 0.0, 0.0)
 TIERS = auto_tiers(3)   # (0, 1, 2, 3): a tier's index is its k
@@ -71,6 +75,7 @@ def main(argv=None) -> None:
     parser.add_argument("--switch", default=None, help="periods (steps) of right / wrong drafting phases")
     parser.add_argument("--full-step-rows", type=int, default=None)
     parser.add_argument("--optimistic-verdicts", type=float, default=None)
+    parser.add_argument("--plain-margin-se", type=float, default=None)
     parser.add_argument("--smoke", action="store_true", help="one row, 16 steps, one seed")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -79,6 +84,8 @@ def main(argv=None) -> None:
         adaptive.FULL_STEP_ROWS = args.full_step_rows
     if args.optimistic_verdicts is not None:
         adaptive.OPTIMISTIC_VERDICTS = args.optimistic_verdicts
+    if args.plain_margin_se is not None:
+        adaptive.PLAIN_MARGIN_SE = args.plain_margin_se
     costs = np.asarray([float(c) for c in args.costs.split(",")], np.float32)
     if len(costs) != len(TIERS):
         parser.error(f"--costs needs one step time per tier of auto at k <= 3 {TIERS}, got {args.costs}")
@@ -87,6 +94,7 @@ def main(argv=None) -> None:
     else:
         cases = [(name, [rates], args.steps) for name, rates in STATIONARY.items()]
     print(f"FULL_STEP_ROWS {adaptive.FULL_STEP_ROWS}, OPTIMISTIC_VERDICTS {adaptive.OPTIMISTIC_VERDICTS}, "
+          f"PLAIN_MARGIN_SE {adaptive.PLAIN_MARGIN_SE}, "
           f"step times {args.costs} for k = {TIERS}")
     table = []
     for rows in (int(r) for r in args.rows.split(",")):
@@ -102,7 +110,8 @@ def main(argv=None) -> None:
                 line += f"  / oracle {np.mean([r for r, _ in runs]) / oracle:.3f}"
             print(f"{line}  steps per k {runs[0][1].tolist()}", flush=True)
             table.append(dict(rows=rows, case=name, full_step_rows=adaptive.FULL_STEP_ROWS,
-                              optimistic_verdicts=adaptive.OPTIMISTIC_VERDICTS, steps=args.steps,
+                              optimistic_verdicts=adaptive.OPTIMISTIC_VERDICTS,
+                              plain_margin_se=adaptive.PLAIN_MARGIN_SE, steps=args.steps,
                               over_best_fixed=round(float(np.mean(ratio)), 4),
                               over_oracle=round(float(np.mean([r for r, _ in runs]) / oracle), 4),
                               steps_per_k=runs[0][1].tolist()))

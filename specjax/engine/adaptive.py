@@ -4,7 +4,8 @@ that choice reads (running per-position acceptance, and a record of each iterati
 Each tier is a while loop in the loop body (loop.py), a segment of iterations of its k that runs when chosen
 (SEGMENT of them; a plain tier chosen on its merits, until the next probe is due); k = 0 is a plain decode
 step. "auto" scores a tier k by the tokens a row expects from it, 1 + sum_{i<k} prod_{j<=i} a_j with a_j the
-running conditional acceptance at draft position j, over the tier's step time, and takes the best. Dead rows
+running conditional acceptance at draft position j, over the tier's step time, and takes the best (plain only
+when it wins beyond the rates' noise: PLAIN_MARGIN_SE). Dead rows
 cost as much as live ones in a compiled batch, so the step times are per compiled shape and the live count
 enters through the statistics.
 The choice is one k for every row: a tier's verify pass is one static width for the whole batch, so a row that
@@ -38,6 +39,11 @@ FULL_STEP_ROWS = 8
 # Verdicts the optimistic start (every draft accepted) counts as: the first verdicts at a position replace it as an
 # average would (a row's verdict weighs 1 / (verdicts so far + 1)) until the running weight above is the larger.
 OPTIMISTIC_VERDICTS = 1.0
+# Standard errors of a running rate the plain tier must win by: plain steps record no verdicts, so a plain choice
+# holds until the next probe (16-128 steps) where a speculative one is looked at again after a segment; plain is
+# chosen only when speculation loses even at rates this many standard errors up (benchmarks/RESULTS.md, "Plain only
+# when speculation loses beyond the rates' noise").
+PLAIN_MARGIN_SE = 1.0
 
 
 @jax.tree_util.register_dataclass
@@ -54,6 +60,7 @@ class AdaptState:
     """The adaptive loop's carry beside the rows'."""
     acceptance: jax.Array    # f32 [k_max]: running P(draft j accepted | drafts before j accepted)
     verdicts: jax.Array      # f32 [k_max]: verdicts recorded at each position, OPTIMISTIC_VERDICTS at the start
+    support: jax.Array       # f32 [k_max]: verdicts each running rate rests on, older ones decayed as it weighs them
     plain_run: jax.Array     # i32 []: plain (k = 0) iterations since the last speculative one
     probe_gap: jax.Array     # i32 []: plain iterations in a row after which the largest tier runs again
     # i32 [S + 1, 2]: row i + 1 holds iteration i's k and live rows (row 0 unused), one array so that a step
@@ -80,7 +87,8 @@ def policy_inputs(step_costs, forced_tier: int = -1) -> PolicyInputs:
 def init_adapt(k_max: int, max_steps: int, inputs: PolicyInputs) -> AdaptState:
     """Optimistic rates at first (every draft accepted), so the loop speculates and measures before it judges."""
     return AdaptState(acceptance=jnp.ones((k_max,), jnp.float32),
-                      verdicts=jnp.full((k_max,), OPTIMISTIC_VERDICTS, jnp.float32), plain_run=jnp.zeros((), jnp.int32),
+                      verdicts=jnp.full((k_max,), OPTIMISTIC_VERDICTS, jnp.float32),
+                      support=jnp.full((k_max,), OPTIMISTIC_VERDICTS, jnp.float32), plain_run=jnp.zeros((), jnp.int32),
                       probe_gap=jnp.asarray(PROBE_EVERY, jnp.int32), per_step=jnp.zeros((max_steps + 1, 2), jnp.int32),
                       inputs=inputs)
 
@@ -101,11 +109,10 @@ def choose_tier(adapt: AdaptState, live: jax.Array,
         chosen = _table_k(live, policy)
         tier = jnp.argmax(jnp.asarray(tiers) == chosen).astype(jnp.int32)
     else:
-        score = expected_tokens(adapt.acceptance, tiers) / adapt.inputs.step_costs
-        tier = jnp.argmax(score).astype(jnp.int32)
+        tier, speculation_wins = _best_tier(adapt, tiers)
         probing = (adapt.plain_run >= adapt.probe_gap) & (adapt.inputs.forced_tier < 0)
         gap = jnp.where(probing, jnp.minimum(2 * adapt.probe_gap, PROBE_MAX),
-                        jnp.where(tier > 0, PROBE_EVERY, adapt.probe_gap))
+                        jnp.where(speculation_wins, PROBE_EVERY, adapt.probe_gap))
         probe_steps = jnp.clip(-(-PROBE_SAMPLES // jnp.maximum(live, 1)), 1, SEGMENT).astype(jnp.int32)
         # Plain steps record no verdicts, so a plain tier chosen on its merits stays the choice until a probe is
         # due: one segment runs until then, and its choice's work is paid once for all of those steps.
@@ -115,6 +122,30 @@ def choose_tier(adapt: AdaptState, live: jax.Array,
         tier = jnp.where(probing, len(tiers) - 1, tier)
         adapt = dataclasses.replace(adapt, probe_gap=gap.astype(jnp.int32))
     return jnp.where(adapt.inputs.forced_tier >= 0, adapt.inputs.forced_tier, tier), steps, adapt
+
+
+def _best_tier(adapt: AdaptState, tiers: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """The index of the tier with the most expected tokens per step time, but plain only where it also beats every
+    speculative tier at rates PLAIN_MARGIN_SE standard errors up (else the best speculative tier); and whether a
+    speculative tier won on the running rates themselves (only that sets the probes' gap back: one kept on the
+    benefit of the doubt would bring probes every PROBE_EVERY steps where speculation loses)."""
+    costs = adapt.inputs.step_costs
+    score = expected_tokens(adapt.acceptance, tiers) / costs
+    best = jnp.argmax(score).astype(jnp.int32)
+    wins = jnp.asarray(tiers)[best] > 0
+    if tiers[0] != 0:
+        return best, wins
+    hopeful = expected_tokens(upper_rates(adapt.acceptance, adapt.support, PLAIN_MARGIN_SE), tiers) / costs
+    speculation_may_win = jnp.max(hopeful[1:]) > score[0]
+    return jnp.where((best == 0) & speculation_may_win, jnp.argmax(score[1:]) + 1, best).astype(jnp.int32), wins
+
+
+def upper_rates(rate: jax.Array, support: jax.Array, z: float) -> jax.Array:
+    """Wilson's upper bound of each rate at z standard errors, from the verdicts it rests on (sound near 0 and 1,
+    where the normal approximation's error vanishes)."""
+    n = jnp.maximum(support, 1e-6)
+    spread = z * jnp.sqrt(rate * (1 - rate) / n + z * z / (4 * n * n))
+    return jnp.clip((rate + z * z / (2 * n) + spread) / (1 + z * z / n), 0.0, 1.0)
 
 
 def _table_k(live: jax.Array, policy: SpeculationPolicy) -> jax.Array:
@@ -161,4 +192,5 @@ def _with_verdicts(adapt: AdaptState, offered: jax.Array, accepted: jax.Array, a
     running = 1 - (1 - step_weight(segment_steps)) ** (jnp.minimum(tries, FULL_STEP_ROWS) / FULL_STEP_ROWS)
     weight = jnp.maximum(running, tries / (adapt.verdicts + tries))
     acceptance = jnp.where(tries > 0, (1 - weight) * adapt.acceptance + weight * rate, adapt.acceptance)
-    return dataclasses.replace(adapt, acceptance=acceptance, verdicts=adapt.verdicts + tries)
+    support = jnp.where(tries > 0, (1 - weight) * adapt.support + tries, adapt.support)
+    return dataclasses.replace(adapt, acceptance=acceptance, verdicts=adapt.verdicts + tries, support=support)
