@@ -6,7 +6,8 @@ The floor reads the distinct experts the step's routing selects (random distinct
 the copy bandwidth measured in the same process; each form's error is against the gathered one. `--sweep` times
 launch parameters of the kernel on the calls of a V3 step (routed experts, FP8 projections as one group, the
 router, MLA's per-head products), over every axis of SWEEP or those `--sweep-over` names (the others as the
-default config has them).
+default config has them), each timed call reading another copy of its matrix (ROTATION_BYTES in all), so that
+matrices smaller than the 50 MB L2 stream from memory as in a step.
 
     PYTHONPATH=. python benchmarks/bench_grouped_matmul.py [--sweep | --sweep-only] [--sweep-over AXES] [--smoke]
 
@@ -15,6 +16,7 @@ Writes $OUT/bench_grouped_matmul.json (and bench_grouped_matmul_sweep.json) and 
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +48,10 @@ SWEEP = dict(block_n=(32, 64, 128, 256), num_warps=(4, 8), num_stages=(2, 3, 4),
              k_splits=(None, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32))
 # The row counts the single matrices are swept at: a decode step's at batch 1 and 8.
 SINGLE_ROWS = (1, 8)
+# Bytes a sweep's timed calls cycle through (copies of the matrix they read): twice the H100's / H200's L2. A
+# 7-17 MB matrix timed back to back sat in L2, and a config faster there was slower in the step (RESULTS.md,
+# "The router's and MLA's products: launch parameters").
+ROTATION_BYTES = 96 << 20
 
 
 def experts_of(shape: dict, seed: int = 0) -> dict[str, jax.Array]:
@@ -146,7 +152,7 @@ def device_times(run, calls: int = 5) -> tuple[float, float]:
 
 
 def sweep_rows(shape: dict, bandwidth: float, axes: tuple[str, ...] = tuple(SWEEP),
-               matrices: tuple[str, ...] | None = None) -> list[dict]:
+               matrices: tuple[str, ...] | None = None, rotation_bytes: int = ROTATION_BYTES) -> list[dict]:
     """Launch parameters of the kernel on each of sweep_cases over `axes` of SWEEP (the others the default
     config's), against the floor (the selected matrices' bytes)."""
     rows = []
@@ -160,7 +166,10 @@ def sweep_rows(shape: dict, bandwidth: float, axes: tuple[str, ...] = tuple(SWEE
                               kernels=KernelPolicy(impl="reference"))
         selected = (jnp.unique(call["row_groups"]).size if "row_groups" in call
                     else int((call["group_sizes"] > 0).sum()) if "group_sizes" in call else w.shape[0])
-        floor_ms = 1e3 * selected * (w[0].nbytes + (0 if scale is None else scale[0].nbytes)) / bandwidth
+        read_bytes = selected * (w[0].nbytes + (0 if scale is None else scale[0].nbytes))
+        floor_ms = 1e3 * read_bytes / bandwidth
+        copies = [(w, scale)] + [(jnp.copy(w), None if scale is None else jnp.copy(scale))
+                                 for _ in range(min(63, rotation_bytes // read_bytes, (1 << 30) // w.nbytes))]
         base = case.get("config") or default_config(w.shape[0], w.dtype.itemsize)
         for config in swept_configs(base, SWEEP, axes):
             if config.pairs is False and needs_pairs(w):   # its offsets need pairs
@@ -174,7 +183,8 @@ def sweep_rows(shape: dict, bandwidth: float, axes: tuple[str, ...] = tuple(SWEE
             except jax.errors.JaxRuntimeError as error:   # e.g. wide fp32 blocks past the shared memory
                 print(case["matrix"], case["rows"], config, "does not launch:", str(error).splitlines()[0])
                 continue
-            device_ms, kernel_ms = device_times(lambda: fn(x, w, scale, arrays))
+            pool = itertools.cycle(copies)
+            device_ms, kernel_ms = device_times(lambda: fn(x, *next(pool), arrays), calls=max(5, len(copies)))
             row = dict(matrix=case["matrix"], rows=case["rows"], **{axis: getattr(config, axis) for axis in SWEEP},
                        device_ms=device_ms, kernel_ms=kernel_ms, of_floor=floor_ms / kernel_ms,
                        device_of_floor=floor_ms / device_ms, rel_err=relative_error(got, want))
@@ -201,7 +211,8 @@ def main() -> None:
     if args.sweep or args.sweep_only:
         shape = (SMOKE_SHAPES if args.smoke else SHAPES)["v3_fp8"]
         print("wrote", write_json("bench_grouped_matmul_sweep", sweep_rows(
-            shape, bandwidth, axes, args.sweep_matrices and tuple(args.sweep_matrices.split(",")))))
+            shape, bandwidth, axes, args.sweep_matrices and tuple(args.sweep_matrices.split(",")),
+            0 if args.smoke else ROTATION_BYTES)))
 
 
 if __name__ == "__main__":
