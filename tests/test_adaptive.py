@@ -120,10 +120,12 @@ def test_probes_back_off_while_speculation_loses_and_come_back_when_it_wins():
     assert int(tier) == 3 and int(state.probe_gap) == PROBE_EVERY   # speculation won on its merits
 
 
-@pytest.mark.parametrize("live, steps", [(1, adaptive.SEGMENT), (4, adaptive.SEGMENT), (8, 4), (16, 2), (128, 1)])
+@pytest.mark.parametrize("live, steps", [(1, adaptive.PROBE_MAX_STEPS), (4, adaptive.PROBE_MAX_STEPS), (8, 4),
+                                         (16, 2), (128, 1)])
 def test_a_probe_verifies_a_set_number_of_drafts_and_weighs_as_a_segment(live, steps):
-    """A probe of many rows is one step, of few a segment; either way its steps move the running rates as far
-    as a segment of ordinary steps would. A choice on the merits runs a segment at the ordinary weight."""
+    """A probe of many rows is one step, of few PROBE_MAX_STEPS (half a segment); either way its steps move the
+    running rates as far as a segment of ordinary steps would. A choice on the merits runs a segment at the
+    ordinary weight."""
     policy = SpeculationPolicy("auto", (0, 1, 2, 3))
     state = _adapt([0.1] * 3, [1.0, 1.3, 1.5, 1.7], plain_run=PROBE_EVERY)
     tier, probe_steps, probed = jax.jit(adaptive.choose_tier, static_argnums=2)(state, jnp.asarray(live), policy)

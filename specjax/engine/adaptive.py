@@ -13,8 +13,8 @@ drafted fewer tokens than its tier would save no work, only lose the chance of i
 A tier not run stops updating its positions' rates, so after `probe_gap` plain steps in a row the loop runs
 the largest tier to look again. The gap starts at PROBE_EVERY and doubles after each probe up to PROBE_MAX, and a
 speculative tier chosen on its merits sets it back. A probe runs until about PROBE_SAMPLES first drafts were
-verified (a segment for a few rows, one step for many) and moves the running rates as far as a segment's steps
-would: where speculation keeps losing, many rows pay a losing step per probe rather than a losing segment.
+verified (PROBE_MAX_STEPS for a few rows, one step for many) and moves the running rates as far as a segment's
+steps would: where speculation keeps losing, many rows pay a losing step per probe rather than a losing segment.
 """
 from __future__ import annotations
 
@@ -30,8 +30,12 @@ from specjax.config.speculation_policy import PROBE_EVERY, PROBE_MAX, Speculatio
 SEGMENT = 8
 # Weight of the newest step in the running acceptance (about the last 1 / EMA_WEIGHT steps count).
 EMA_WEIGHT = 0.25
-# First drafts a probe verifies: its steps are PROBE_SAMPLES / live rows, from one to a segment.
+# First drafts a probe verifies: its steps are PROBE_SAMPLES / live rows, from one to PROBE_MAX_STEPS.
 PROBE_SAMPLES = 32
+# A probe's most steps (few rows): half a segment. A whole one made the largest tier's probes most of what auto lost
+# where plain decoding wins at 1-4 rows (benchmarks/RESULTS.md, "Plain only when speculation loses beyond the
+# rates' noise").
+PROBE_MAX_STEPS = SEGMENT // 2
 # Rows whose verdicts at a position weigh as a whole step; fewer weigh less, each row as much as an eighth of a step
 # (compounded), so that one or two rows' luck does not switch tiers (benchmarks/RESULTS.md, "The running
 # acceptance weighs rows").
@@ -113,7 +117,7 @@ def choose_tier(adapt: AdaptState, live: jax.Array,
         probing = (adapt.plain_run >= adapt.probe_gap) & (adapt.inputs.forced_tier < 0)
         gap = jnp.where(probing, jnp.minimum(2 * adapt.probe_gap, PROBE_MAX),
                         jnp.where(speculation_wins, PROBE_EVERY, adapt.probe_gap))
-        probe_steps = jnp.clip(-(-PROBE_SAMPLES // jnp.maximum(live, 1)), 1, SEGMENT).astype(jnp.int32)
+        probe_steps = jnp.clip(-(-PROBE_SAMPLES // jnp.maximum(live, 1)), 1, PROBE_MAX_STEPS).astype(jnp.int32)
         # Plain steps record no verdicts, so a plain tier chosen on its merits stays the choice until a probe is
         # due: one segment runs until then, and its choice's work is paid once for all of those steps.
         until_probe = jnp.maximum(adapt.probe_gap - adapt.plain_run, SEGMENT)
