@@ -25,7 +25,6 @@ import dataclasses
 import datetime
 import functools
 import json
-import math
 import statistics
 import sys
 import time
@@ -34,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from benchmarks.common import copy_bandwidths, interpret_kernels, out_dir, relative_error
+from benchmarks.common import copy_bandwidths, interpret_kernels, out_dir, relative_error, rotation_copies
 from benchmarks.device_trace import median_duration_us, traced_kernels
 from specjax.kernels.attention import attention, choose_attention
 from specjax.kernels.attention_reference import attention_reference
@@ -176,7 +175,7 @@ def no_layer_copy(compiled_text: str, k) -> bool:
 def rotation_layers(batch: int, context: int, scale: Scale) -> int:
     """Distinct cache layers to cycle through so that a timed pass is not served from L2."""
     layer_bytes = 2 * batch * KV_HEADS * context * HEAD_DIM * 2
-    return int(min(64, max(2, math.ceil(scale.rotation_bytes / layer_bytes))))
+    return rotation_copies(layer_bytes, scale.rotation_bytes, most=64)
 
 
 def time_case(batch, tokens, context, configs, scale: Scale, interpret: bool, with_scan: bool = True) -> dict:

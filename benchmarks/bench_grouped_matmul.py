@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import (add_sweep_arguments, copy_bandwidth, interpret_kernels, median_time, print_table,
-                               relative_error, swept_axes, swept_configs, write_json)
+                               relative_error, rotation_copies, swept_axes, swept_configs, write_json)
 from benchmarks.device_trace import busy_ns, traced_kernels
 from specjax.kernels.grouped_matmul import grouped_matmul
 from specjax.kernels.grouped_matmul_triton import default_config, needs_pairs
@@ -168,8 +168,8 @@ def sweep_rows(shape: dict, bandwidth: float, axes: tuple[str, ...] = tuple(SWEE
                     else int((call["group_sizes"] > 0).sum()) if "group_sizes" in call else w.shape[0])
         read_bytes = selected * (w[0].nbytes + (0 if scale is None else scale[0].nbytes))
         floor_ms = 1e3 * read_bytes / bandwidth
-        copies = [(w, scale)] + [(jnp.copy(w), None if scale is None else jnp.copy(scale))
-                                 for _ in range(min(63, rotation_bytes // read_bytes, (1 << 30) // w.nbytes))]
+        count = rotation_copies(read_bytes, rotation_bytes, most=64) if 2 * w.nbytes <= 1 << 30 else 1
+        copies = [(w, scale)] + [(jnp.copy(w), None if scale is None else jnp.copy(scale)) for _ in range(count - 1)]
         base = case.get("config") or default_config(w.shape[0], w.dtype.itemsize)
         for config in swept_configs(base, SWEEP, axes):
             if config.pairs is False and needs_pairs(w):   # its offsets need pairs

@@ -16,13 +16,12 @@ Writes $OUT/bench_latent_attention.json (and bench_latent_attention_sweep.json) 
 from __future__ import annotations
 
 import argparse
-import math
 
 import jax
 import jax.numpy as jnp
 
 from benchmarks.common import (add_sweep_arguments, copy_bandwidth, interpret_kernels, print_table, relative_error,
-                               swept_axes, swept_configs, write_json)
+                               rotation_copies, swept_axes, swept_configs, write_json)
 from benchmarks.device_trace import busy_ns, traced_kernels
 from specjax.kernels.attention_reference import attention_reference
 from specjax.kernels.attention_triton import KernelConfig, attention_triton, default_config
@@ -40,7 +39,7 @@ CALLS = 3
 
 def cache_layers(batch: int, context: int, smoke: bool) -> int:
     """Layers to cycle through so that consecutive calls do not find their rows in L2."""
-    return 2 if smoke else int(min(16, max(2, math.ceil(ROTATION_BYTES / (batch * context * WIDTH * 2)))))
+    return rotation_copies(batch * context * WIDTH * 2, 0 if smoke else ROTATION_BYTES, most=16)
 
 
 def inputs(heads: int, batch: int, context: int, layers: int, tokens: int):

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import SMOKE_TARGET, SMOLLM2_135M, interpret_kernels, print_table, relative_error, write_json
+from benchmarks.common import (SMOKE_TARGET, SMOLLM2_135M, interpret_kernels, print_table, relative_error,
+                               rotation_copies, write_json)
 from benchmarks.device_trace import summed_us_per_call, traced_kernels
 from specjax.kernels.projection_reference import projection_reference
 from specjax.kernels.projection_triton import ProjectionConfig, default_config, projection_triton
@@ -77,7 +78,7 @@ def device_us(case: dict, rows: int, kernel: bool, config: ProjectionConfig | No
               rotation_bytes: int = ROTATION_BYTES) -> tuple[float, float]:
     """(device us per call, kernels per call), cycling through weight copies."""
     weight_bytes = case["k"] * case["n"] * 2
-    copies = max(2, rotation_bytes // weight_bytes)
+    copies = rotation_copies(weight_bytes, rotation_bytes)
     x, ws, norm, residual = inputs(case, rows, jnp.bfloat16, copies)
     fn = run_fn(case, kernel, config)
     kernels = traced_kernels(lambda: [fn(x, w, norm, residual) for w in ws])

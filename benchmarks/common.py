@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -74,6 +75,13 @@ def interpret_kernels() -> bool:
 
 def on_gpu() -> bool:
     return jax.devices()[0].platform == "gpu"
+
+
+def rotation_copies(bytes_per_call: int, rotation_bytes: int, most: int | None = None) -> int:
+    """Distinct copies of a timed call's inputs to cycle through so that back-to-back calls read `rotation_bytes`
+    in all (more than the L2) and none finds its bytes still there: at least 2, at most `most`."""
+    wanted = max(2, math.ceil(rotation_bytes / bytes_per_call))
+    return wanted if most is None else min(most, wanted)
 
 
 def median_time(fn: Callable[[], object], repeats: int = 10, warmup: int = 2) -> float:
