@@ -48,8 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from specjax.kernels.attention import attention
 from specjax.kernels.attention_reference import QUERY_CHUNK
-from specjax.kernels.grouped_matmul import grouped_matmul
-from specjax.kernels.grouped_matmul_triton import GroupedMatmulConfig
+from specjax.kernels.grouped_matmul import GroupedMatmulConfig, grouped_matmul
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.projection_reference import rms_norm
 from specjax.kernels.tree_mask import TreeMask, tree_visible_slots
