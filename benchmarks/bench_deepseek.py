@@ -9,13 +9,15 @@ the batch selects (counted by routing random hidden states through each MoE laye
 cache, over the copy bandwidth measured in the same process.
 
     PYTHONPATH=. python benchmarks/bench_deepseek.py [--suites v3_step,v2_e2e,mtp,v2_transformers] [--smoke]
-        [--forms kernel,xla,fp8_rows,head_kernel,programsN] [--batches B ...] [--profile] [--target h200]
+        [--forms kernel,xla,fp8_rows,head_kernel,programsN] [--batches B ...] [--profile] [--loop B ...]
+        [--target h200]
 
 (--forms: which forms v3_step and v2_e2e time: the grouped matmul kernel, XLA's with it off, the kernel on FP8 rows
 (fp8_rows), the kernel with MLA's per-head products in it too (head_kernel), the kernel with each single FP8
 projection's K split aiming at N programs (programsN); default kernel,xla. --profile:
 v3_step also traces 5 steps of the kernel form at each batch, v2_e2e its plain loops, and writes where the device
-time goes, per kernel kind.)
+time goes, per kernel kind. --loop: v3_step also times each form's step inside plain decoding's generate loop at
+these batches, as the engine runs it (the whole loop one CUDA graph on a GPU), against the same floor.)
 
 (v2_transformers, transformers' own V2-Lite as the peer, runs in a child process first. --target h200 runs
 nothing: it compiles v3_step's forms for an H200 on this host, from shapes alone (no weights are made), and
@@ -37,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.bench_engine import (SMOKE_SIZES, Sizes, acceptance_sweep, head_step_time, plain_times,
-                                     run_plain, step_fn, step_time, stepper, subject)
+from benchmarks.bench_engine import (SMOKE_SIZES, Sizes, acceptance_sweep, first_token_time, head_step_time,
+                                     plain_times, run_plain, step_fn, step_time, stepper, subject)
 from benchmarks.common import copy_bandwidth, print_table, write_json
 from benchmarks.device_trace import busy_ns, by_kernel, traced_kernels
 from benchmarks.gpu_target import compiled_for, compiling_for, h200
@@ -160,13 +162,15 @@ def programs_of(form: str) -> int | None:
 
 
 STEPS_TRACED = 5
+LOOP_TOKENS = 33   # new tokens per row where the loop is timed: the first (left out), then 32 steps
 
 
 def v3_step_suite(bandwidth: float, smoke: bool, batches: tuple[int, ...], forms: tuple[str, ...] = DEFAULT_FORMS,
-                  profile: bool = False) -> list[dict]:
+                  profile: bool = False, loop_batches: tuple[int, ...] = ()) -> list[dict]:
     """Decode steps of rows of distinct random tokens (so that rows route apart), the grouped matmul kernel on and
     off (`forms`); with `profile`, where each form's steps spend their device time (kernel by kernel: the
-    profiler's times, unlike step times across processes, compare forms to a microsecond)."""
+    profiler's times, unlike step times across processes, compare forms to a microsecond); at `loop_batches`,
+    also the step as the engine runs it: plain decoding's generate loop (one CUDA graph on a GPU) per step."""
     cfg = config(V3_4_LAYERS, smoke)
     weights, target = stepped_subject(cfg)
     subjects = form_subjects(cfg, target, forms)
@@ -186,6 +190,9 @@ def v3_step_suite(bandwidth: float, smoke: bool, batches: tuple[int, ...], forms
             rows.append(dict(shape="v3_4layers_fp8", batch=B, experts=experts, context=CONTEXT,
                              distinct_experts=distinct, ms=1e3 * t, floor_ms=1e3 * floor, roofline_frac=floor / t,
                              weights_GB=sum(leaf.nbytes for leaf in weights.values()) / 1e9))
+            if B in loop_batches:
+                t_loop = loop_step_time(model, B, smoke)
+                rows[-1].update(loop_ms=1e3 * t_loop, loop_roofline_frac=floor / t_loop)
             print(rows[-1], flush=True)
     return rows
 
@@ -209,6 +216,17 @@ def v3_step_launches(batches: tuple[int, ...], smoke: bool, forms: tuple[str, ..
                              by_function=dict(by_function.most_common())))
             print(rows[-1], flush=True)
     return rows
+
+
+def loop_step_time(model, B: int, smoke: bool) -> float:
+    """Seconds per step of plain decoding's generate loop over B random prompts of CONTEXT tokens (LOOP_TOKENS
+    new tokens, the prefill and first token left out): the decode step inside the loop, where a step timed alone
+    also pays its dispatch. Greedy rows of random weights may repeat tokens and share experts, so past batch 1 the
+    floor of distinct rows' experts can overstate what the loop reads."""
+    sizes = SMOKE_SIZES if smoke else Sizes(prompt_len=CONTEXT, new_tokens=LOOP_TOKENS)
+    first, steady, steps = run_plain(model, B, sizes.prompt_len, sizes.new_tokens)
+    ttft = first_token_time(model.plain, model.state, None, B, sizes.prompt_len, sizes.new_tokens, 0)
+    return (steady - ttft) / max(steps, 1)
 
 
 def step_kernels(model, B: int) -> list:
@@ -337,6 +355,8 @@ def main(argv=None) -> None:
                         "for the V2-Lite suites; --smoke: 1)")
     parser.add_argument("--profile", action="store_true", help="trace each form's steps (v3_step) or the kernel "
                         "form's loops (v2_e2e) too")
+    parser.add_argument("--loop", type=int, nargs="+", default=(), metavar="B",
+                        help="v3_step: also time plain decoding's loop per step at these batches (--smoke: 1)")
     parser.add_argument("--target", choices=["h200"], help="compile v3_step's forms for this GPU here and count "
                         "their launches; nothing runs")
     args = parser.parse_args(argv)
@@ -366,7 +386,8 @@ def main(argv=None) -> None:
     print(f"{jax.devices()[0].device_kind}: copy {bandwidth / 1e12:.2f} TB/s", flush=True)
     for suite in suites:
         if suite == "v3_step":
-            rows = v3_step_suite(bandwidth, args.smoke, batches(V3_BATCHES), forms, args.profile)
+            loop = (1,) if args.smoke and args.loop else tuple(args.loop)
+            rows = v3_step_suite(bandwidth, args.smoke, batches(V3_BATCHES), forms, args.profile, loop)
         elif suite == "v2_e2e":
             rows = v2_e2e_suite(bandwidth, args.smoke, sizes, batches(V2_BATCHES), forms, args.profile)
         elif suite == "mtp":

@@ -28,8 +28,9 @@ SCRIPTS = sorted(name for lane in LANES for name in lane)
 REAL_MODEL = ("bench_default_model", "bench_eagle")
 # Scripts of the default model whose smoke runs check the script, not the model: the 4-layer chat model instead.
 ON_TINY_CHAT_MODEL = ("bench_admission", "bench_stream")
-# Extra arguments per script: bench_sweep's smoke run takes its profiling path too, bench_grouped_matmul's a sweep.
-ARGS = {"bench_sweep": ["--profile"],
+# Extra arguments per script: bench_sweep's smoke run takes its profiling path too, bench_grouped_matmul's a sweep,
+# bench_deepseek's V3 step its timing inside the generate loop.
+ARGS = {"bench_sweep": ["--profile"], "bench_deepseek": ["--loop", "1"],
         "bench_grouped_matmul": ["--sweep", "--sweep-over", "f16_rows", "--sweep-matrices", "we_gate,wqkv_a"]}
 # Extra environment per script: bench_tp splits its model over two (simulated) CPU devices.
 ENV = {"bench_tp": {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}}
@@ -146,6 +147,9 @@ def test_smoke_run_exits_0_and_writes_its_results(smoke_runs, name):
     for file, (key, values) in EXPECTED_ROWS[name].items():
         rows = json.loads((out / f"{file}.json").read_text())["rows"]
         assert [row[key] for row in rows] == values, file
+    if name == "bench_deepseek":
+        v3_rows = json.loads((out / "bench_deepseek_v3_step.json").read_text())["rows"]
+        assert all(row["loop_ms"] > 0 and row["loop_roofline_frac"] > 0 for row in v3_rows), v3_rows
 
 
 def check_attention(results: dict) -> None:
