@@ -148,7 +148,7 @@ def test_a_probe_verifies_a_set_number_of_drafts_and_weighs_as_a_segment(live, s
 def test_a_plain_tier_chosen_on_its_merits_runs_until_the_next_probe(gap, plain_run, steps):
     """Plain steps leave the rates as they are, so the choice would stay plain until the probe: one segment runs
     until then (a whole segment at least), and the probe comes right after it. Calibration's forced plain tier
-    runs ordinary segments."""
+    runs as a plain choice's shortest such segment (PROBE_EVERY), its drafting tiers ordinary ones."""
     policy = SpeculationPolicy("auto", (0, 1, 2, 3))
     costs = [1.0, 1.3, 1.5, 1.7]
     choose = jax.jit(adaptive.choose_tier, static_argnums=2)
@@ -160,8 +160,8 @@ def test_a_plain_tier_chosen_on_its_merits_runs_until_the_next_probe(gap, plain_
         state = adaptive.record(state, jnp.asarray(step + 1), 0, jnp.asarray(4), jnp.zeros((4,), jnp.int32),
                                 jnp.zeros((4,), jnp.int32), jnp.ones((4,), bool))
     assert int(choose(state, 4, policy)[0]) == 3
-    forced = _adapt([0.1] * 3, costs, forced=0)
-    assert int(choose(forced, 4, policy)[1]) == adaptive.SEGMENT
+    for forced, segment in ((0, PROBE_EVERY), (1, adaptive.SEGMENT), (3, adaptive.SEGMENT)):
+        assert int(choose(_adapt([0.1] * 3, costs, forced=forced), 4, policy)[1]) == segment
 
 
 def test_a_plain_step_records_its_k_and_rows_and_no_verdicts():

@@ -125,7 +125,13 @@ def choose_tier(adapt: AdaptState, live: jax.Array,
         steps = jnp.where(probing, probe_steps, jnp.where(plain, until_probe, steps)).astype(jnp.int32)
         tier = jnp.where(probing, len(tiers) - 1, tier)
         adapt = dataclasses.replace(adapt, probe_gap=gap.astype(jnp.int32))
-    return jnp.where(adapt.inputs.forced_tier >= 0, adapt.inputs.forced_tier, tier), steps, adapt
+    forced = adapt.inputs.forced_tier
+    # Calibration times a forced plain tier as a plain choice runs, in segments until the next probe (PROBE_EVERY
+    # at the least): timed in 8-step segments it carried their choices' launches, which a plain choice pays once
+    # per probe gap, and so cost more than it does when chosen.
+    forced_plain = (forced >= 0) & (jnp.asarray(tiers)[jnp.maximum(forced, 0)] == 0)
+    steps = jnp.where(forced_plain, PROBE_EVERY, steps).astype(jnp.int32)
+    return jnp.where(forced >= 0, forced, tier), steps, adapt
 
 
 def _best_tier(adapt: AdaptState, tiers: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
