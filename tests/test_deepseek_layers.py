@@ -219,7 +219,8 @@ def mla_step(x, weights, cache, layer, start, inv_freq, attention_factor, scale,
     the same shapes and softmax scale, a static float as the attention kernel takes it)."""
     rotate = functools.partial(rope.apply_rope, inv_freq=inv_freq, interleaved=interleaved,
                                attention_factor=attention_factor)
-    return mla.mla_attention(x, weights, cache, layer, start, rotate=rotate, scale=scale, absorbed=absorbed)
+    return mla.mla_attention(x, weights, cache, layer, start, rotate=rotate, rope_interleaved=interleaved,
+                             scale=scale, absorbed=absorbed)
 
 
 jitted_mla_step = jax.jit(mla_step, static_argnames=("scale", "interleaved", "absorbed"))

@@ -17,6 +17,7 @@ from jax._src.pallas.triton import pallas_call_registration as registration
 
 from specjax.kernels.attention_triton import attention_triton
 from specjax.kernels.grouped_matmul_triton import ScaledRows, default_config, f16_rows, grouped_matmul_triton
+from specjax.kernels.latent_rows import latent_rows
 from specjax.kernels.moe_routing import router_logits
 from specjax.kernels.moe_routing_reference import Routing
 from specjax.kernels.moe_routing_triton import select_experts_triton
@@ -204,4 +205,15 @@ def test_moe_routing_kernel_lowers(triton_modules, tokens, experts, routing, bia
     always = experts if biased else None   # V3: its shared expert chosen as one more
     lower_for_cuda(lambda logits: select_experts_triton(logits, bias, routing, always_expert=always),
                    jnp.zeros((tokens, experts)))
+    assert_verified(triton_modules)
+
+
+@pytest.mark.parametrize("rows, splits, interleaved", [(1, 28, True), (12, 2, False)])
+def test_latent_rows_kernel_lowers(triton_modules, rows, splits, interleaved):
+    """DeepSeek-V3's widths: q_a 1536 of 1536 columns, c_kv 512, k_rope 64; a decode row and a verify pass."""
+    partials = jnp.zeros((splits, rows, 1536 + 512 + 64), jnp.float32)
+    norms = ((jnp.ones((1536,), jnp.bfloat16), 1e-6), (jnp.ones((512,), jnp.bfloat16), 1e-6))
+    cache = jnp.zeros((4, rows, 1040, 576), jnp.bfloat16)
+    lower_for_cuda(lambda p, r, c, s: latent_rows(p, *norms, 1536, r, c, 2, s, interleaved=interleaved),
+                   partials, jnp.zeros((rows, 64), jnp.float32), cache, jnp.zeros((rows,), jnp.int32))
     assert_verified(triton_modules)

@@ -20,7 +20,7 @@ def grouped_matmul(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Array, ..
                    block: tuple[int, int] | None = None, kernels: KernelPolicy = KernelPolicy(),
                    config: GroupedMatmulConfig | None = None,
                    norm: tuple[jax.Array, float] | None = None, interleaved: bool = False,
-                   leading_columns: bool = False) -> jax.Array | list[jax.Array]:
+                   leading_columns: bool = False, split_partials: bool = False) -> jax.Array | list[jax.Array]:
     """x [M, K] @ w[g] row by row for w [G, K, N]: the rows sorted by group with group_sizes [G] rows in each
     (rows past sum(group_sizes) are zero), or in any order with row_groups [M] naming each row's group (one
     kernel tile per row: for rows of distinct groups), or row_groups [M, R] naming R groups for each row (out
@@ -37,7 +37,8 @@ def grouped_matmul(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Array, ..
     K, its first K columns the rows (read in place where the kernel runs: a slice of them would be a copy). Output
     in the (normalised) rows' dtype, or a plain stack's where that is wider (jnp's promotion). w (and scale) a
     list of such, alike in every shape and dtype: their products of the same rows, as a list (in one launch where
-    the kernel runs: sorted expert slots' gate and up)."""
+    the kernel runs: sorted expert slots' gate and up). split_partials: the fp32 partial products [S, M, N] of the
+    kernel's S splits of K instead, for a reader that sums them in split order (one split [1, M, N] elsewhere)."""
     products, product_scales = as_products(w, scale)
     stacks, scales = as_stacks(products[0], product_scales[0])
     rows_in = x.values if isinstance(x, ScaledRows) else x
@@ -49,13 +50,15 @@ def grouped_matmul(x: jax.Array | ScaledRows, w: jax.Array | tuple[jax.Array, ..
                                          groups=group_count(stacks)):
         return grouped_matmul_triton(x, w, group_sizes, row_groups=row_groups, row_index=row_index, scale=scale,
                                      block=block, config=config, fp8_rows=kernels.fp8_activations, norm=norm,
-                                     interleaved=interleaved, interpret=kernels.interpret)
+                                     interleaved=interleaved, interpret=kernels.interpret,
+                                     split_partials=split_partials)
     x = x.bf16() if isinstance(x, ScaledRows) else x
     x = x[:, :stacks[0].shape[1]] if leading_columns else x
     x = x if row_index is None else x[row_index // (row_index.shape[0] // x.shape[0])]
     x = x if norm is None else rms_norm(x, *norm)
     outs = [_reference(x, *as_stacks(w_p, scale_p), group_sizes, row_groups, block, interleaved)
             for w_p, scale_p in zip(products, product_scales)]
+    outs = [out.astype(jnp.float32)[None] for out in outs] if split_partials else outs
     return outs if isinstance(w, list) else outs[0]
 
 

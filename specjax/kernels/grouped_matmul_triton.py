@@ -352,9 +352,7 @@ def _f16_rows_kernel(x_ref, *refs, block_k: int, eps: float | None, keep_normali
     def largest(c, amax):
         return jnp.maximum(amax, jnp.max(jnp.abs(row_values(c)[2])))
 
-    amax = lax.fori_loop(0, chunks, largest, jnp.float32(0))
-    field = jnp.clip(lax.bitcast_convert_type(amax, jnp.int32) >> 23, 15, 254)
-    scale = lax.bitcast_convert_type((268 - field) << 23, jnp.float32)
+    scale, unscale = f16_scale(lax.fori_loop(0, chunks, largest, jnp.float32(0)))
 
     def store(c, carry):
         ks, ok, values = row_values(c)
@@ -364,7 +362,15 @@ def _f16_rows_kernel(x_ref, *refs, block_k: int, eps: float | None, keep_normali
         return carry
 
     lax.fori_loop(0, chunks, store, 0)
-    unscale_ref[row] = lax.bitcast_convert_type((field - 14) << 23, jnp.float32)
+    unscale_ref[row] = unscale
+
+
+def f16_scale(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(the power of two that puts a row of largest magnitude `amax` in [2^14, 2^15) of float16, its inverse),
+    both built from float32 exponent bits (the field E of amax: amax < 2^(E-126))."""
+    field = jnp.clip(lax.bitcast_convert_type(amax, jnp.int32) >> 23, 15, 254)
+    return (lax.bitcast_convert_type((268 - field) << 23, jnp.float32),
+            lax.bitcast_convert_type((field - 14) << 23, jnp.float32))
 
 
 def takes_f16_rows(dtype, w: jax.Array, fp8_rows: bool) -> bool:

@@ -70,6 +70,10 @@ class KernelPolicy:
     projection_programs: int | None = None
     # MoE routing (scores, group limit, top-k, weights) as one kernel per call, where XLA's ops launch about ten.
     routing_kernel: bool = True
+    # MLA's fused q_a / kv_a product summed, its latent row normalised, rotated and written into the cache, and
+    # q_a's rows prepared for an FP8 q_b, in one launch where that product runs in the grouped kernel (XLA launched
+    # four: kernels/latent_rows.py).
+    latent_rows_kernel: bool = True
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:

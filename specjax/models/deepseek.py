@@ -474,7 +474,8 @@ def decoder_layer(h: jax.Array, latent: jax.Array, w: Mapping[str, jax.Array], i
     rotate = rotary(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, interleaved=cfg.rope_interleave,
                     max_position_embeddings=cfg.max_position_embeddings)
     attn, latent = mla_attention(h, w, latent, index, start,
-                                 rotate=rotate, scale=yarn_softmax_scale(cfg.qk_head_dim, cfg.rope_scaling),
+                                 rotate=rotate, rope_interleaved=cfg.rope_interleave,
+                                 scale=yarn_softmax_scale(cfg.qk_head_dim, cfg.rope_scaling),
                                  absorbed=kernels.mla_absorbed and not fresh, block=cfg.block, tree=tree,
                                  kernels=kernels, norm=(w["attn_norm"], cfg.rms_norm_eps))
     h = h + attn

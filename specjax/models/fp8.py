@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.kernels.grouped_matmul import grouped_matmul
-from specjax.kernels.grouped_matmul_triton import GroupedMatmulConfig, default_config
+from specjax.kernels.grouped_matmul_triton import GroupedMatmulConfig, ScaledRows, default_config
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.projection_reference import rms_norm
 
@@ -68,25 +68,32 @@ def fp8_matmul(x: jax.Array, w_fp8: jax.Array, scale_inv: jax.Array,
     return out.reshape(*x.shape[:-1], -1)[..., :cols].astype(x.dtype)
 
 
-def linear(x: jax.Array, weights: Mapping[str, jax.Array], name: str, block: tuple[int, int] | None,
+def linear(x: jax.Array | ScaledRows, weights: Mapping[str, jax.Array], name: str, block: tuple[int, int] | None,
            kernels: KernelPolicy = KernelPolicy(), norm: tuple[jax.Array, float] | None = None,
-           leading_columns: bool = False) -> jax.Array:
+           leading_columns: bool = False, split_partials: bool = False) -> jax.Array:
     """x @ weights[name]: through its block scales `weights[name + "_scale"]` (shape `block`, [in, out]
     orientation) when the weight is FP8, a plain matmul otherwise. At decode and verify sizes, where kernels run
     (KernelPolicy.use_grouped_matmul_kernel), the product is the grouped matmul kernel's with one group: FP8 codes
     read as stored, with the same per-block scaling as fp8_matmul's, below a block's rows of tokens; a plain
     weight at the policy's few rows. norm (weight, eps): rms_norm(x, weight, eps) multiplied instead, inside the
     kernel's row scaling where that runs (an FP8 weight's bf16 rows). leading_columns: x may be wider than the
-    weight's rows, its leading columns the input (read in place by the kernel: no sliced copy)."""
+    weight's rows, its leading columns the input (read in place by the kernel: no sliced copy). x may be
+    ScaledRows [M, K] (rows already as the kernel takes them against an FP8 weight). split_partials: the fp32
+    partial products [S, M, N] of the kernel's splits of K, for a reader that sums them (one [1, M, N] off it)."""
     scale = weights.get(name + "_scale")
     tokens = math.prod(x.shape[:-1])
     fp8 = scale is not None
     if in_kernel(tokens, fp8, block, kernels):
-        out = grouped_matmul(x.reshape(tokens, -1), weights[name][None], interleaved=True,   # one group: no table
+        out = grouped_matmul(x if isinstance(x, ScaledRows) else x.reshape(tokens, -1), weights[name][None],
+                             interleaved=True,   # one group: no table
                              scale=scale[None] if fp8 else None, block=block if fp8 else None, kernels=kernels,
                              norm=norm, config=_projection_config(weights[name], kernels),
-                             leading_columns=leading_columns)
-        return out.reshape(*x.shape[:-1], -1)
+                             leading_columns=leading_columns, split_partials=split_partials)
+        return out if split_partials else out.reshape(*x.shape[:-1], -1)
+    x = x.bf16() if isinstance(x, ScaledRows) else x
+    if split_partials:
+        out = linear(x, weights, name, block, kernels, norm, leading_columns)
+        return out.reshape(1, tokens, -1).astype(jnp.float32)
     x = x[..., :weights[name].shape[0]] if leading_columns else x
     x = x if norm is None else rms_norm(x, *norm)
     if not fp8:

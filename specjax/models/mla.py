@@ -30,7 +30,9 @@ queries outnumber cached tokens per head (prefill). Absorbed form (`absorbed_att
 (q_lat = q_nope W_UK per head), scores are q_lat·c_kv + q_rope·k_rope straight against the cache, the
 probabilities average c_kv, and W_UV maps the result to v per head (both per-head products `per_head_matmul`'s);
 it reads only the latent rows (decode, verify), through the attention dispatcher (kernels/attention.py: the Pallas
-kernel where kernels run).
+kernel where kernels run). Where wqkv_a and wq_b run as FP8 in the grouped kernel on bf16 rows, the latent rows
+kernel (kernels/latent_rows.py, `project_into_cache`) takes wqkv_a's partial products and writes the latent rows
+into the cache and q_a's normalised rows for q_b in one launch.
 Both use the engine's causal convention (specjax.kernels.attention_reference): query t of row b sits at position
 start[b] + t and sees slots <= start[b] + t; slots past the last one this call wrote may hold garbage (NaN) and
 are zeroed before use; long query blocks run in chunks of QUERY_CHUNK.
@@ -49,10 +51,13 @@ from jax.sharding import PartitionSpec as P
 from specjax.kernels.attention import attention
 from specjax.kernels.attention_reference import QUERY_CHUNK
 from specjax.kernels.grouped_matmul import GroupedMatmulConfig, grouped_matmul
+from specjax.kernels.grouped_matmul_triton import takes_f16_rows
+from specjax.kernels.latent_rows import latent_rows
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.projection_reference import rms_norm
 from specjax.kernels.tree_mask import TreeMask, tree_visible_slots
-from specjax.models.fp8 import linear
+from specjax.models.fp8 import in_kernel, linear
+from specjax.models.rope import unit_rotation
 from specjax.parallel.mesh import Layout
 
 # transformers and DeepSeek's reference build q_a_layernorm and kv_a_layernorm with their default eps, not
@@ -97,6 +102,32 @@ def project_inputs(x: jax.Array, weights: dict, block: tuple[int, int] | None = 
     rank = weights["kv_norm"].shape[0]
     c_kv = rms_norm(latent[..., :rank], weights["kv_norm"], LATENT_NORM_EPS)
     return q[..., :nope], q[..., nope:], c_kv, latent[..., rank:]
+
+
+def latent_rows_in_kernel(x: jax.Array, weights: dict, block: tuple[int, int] | None, kernels: KernelPolicy) -> bool:
+    """Whether the layer's latent rows and q's rows come from the latent rows kernel (project_into_cache): bf16
+    rows through FP8 wqkv_a and wq_b in the grouped kernel, as scaled float16 rows."""
+    tokens = x.shape[0] * x.shape[1]
+    return (kernels.latent_rows_kernel and "wqkv_a_scale" in weights and "wq_b_scale" in weights
+            and in_kernel(tokens, True, block, kernels) and takes_f16_rows(x.dtype, weights["wq_b"],
+                                                                            kernels.fp8_activations))
+
+
+def project_into_cache(x: jax.Array, weights: dict, block: tuple[int, int], kernels: KernelPolicy,
+                       norm: tuple[jax.Array, float] | None, rotate: Rotation, rope_interleaved: bool,
+                       positions: jax.Array, cache: jax.Array, layer: jax.Array | int,
+                       start: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """project_inputs' q (q_b's output [B * T, H * (nope + rope)], its rope part not yet rotated) and the cache
+    with the T latent rows written, as write_latent writes them: wqkv_a's partial products go to the latent rows
+    kernel, which sums them, writes [c_kv ; rotated k_rope] into the cache and hands q_a's normalised rows to
+    q_b as the kernel takes them (one launch where XLA's sum, norm, cache write and the rows' own made four)."""
+    partials = linear(x, weights, "wqkv_a", block, kernels, norm, split_partials=True)
+    rank = weights["kv_norm"].shape[0]
+    rotation = unit_rotation(rotate, positions, cache.shape[-1] - rank, rope_interleaved)
+    q_rows, cache = latent_rows(partials, (weights["q_norm"], LATENT_NORM_EPS), (weights["kv_norm"], LATENT_NORM_EPS),
+                                fused_q_width(weights["q_norm"].shape[0], block), rotation, cache, layer, start,
+                                interleaved=rope_interleaved, interpret=kernels.interpret)
+    return linear(q_rows, weights, "wq_b", block, kernels), cache
 
 
 @jax.tree_util.register_dataclass
@@ -240,7 +271,8 @@ def _masked_softmax(logits: jax.Array, first_position: jax.Array, tree: TreeMask
 
 
 def mla_attention(x: jax.Array, weights: dict, cache: jax.Array, layer: jax.Array | int, start: jax.Array, *,
-                  rotate: Rotation, scale: float, absorbed: bool, block: tuple[int, int] | None = None,
+                  rotate: Rotation, rope_interleaved: bool, scale: float, absorbed: bool,
+                  block: tuple[int, int] | None = None,
                   tree: TreeMask | None = None, kernels: KernelPolicy = KernelPolicy(),
                   norm: tuple[jax.Array, float] | None = None) -> tuple[jax.Array, jax.Array]:
     """One MLA layer on hidden states x [B, T, hidden] at positions start[b] + t (normalised by `norm`, the
@@ -248,17 +280,25 @@ def mla_attention(x: jax.Array, weights: dict, cache: jax.Array, layer: jax.Arra
     attention in the absorbed or expanded form, then o_proj. Returns (out [B, T, hidden], cache).
 
     `rotate` applies the rope (e.g. functools.partial(rope.apply_rope, inv_freq=..., interleaved=True,
-    attention_factor=...)) to q's rope part and to the one shared k_rope head; `scale` is the softmax scale
+    attention_factor=...)) to q's rope part and to the one shared k_rope head, its pairs interleaved or not as
+    `rope_interleaved` says; `scale` is the softmax scale
     (rope.yarn_softmax_scale); `block` the FP8 weights' block shape ([in, out] orientation); `tree` a draft
     tree's pass (its tokens at tree.positions, written at slots start[b] + t); `kernels` how FP8 projections
     (fp8.linear) and the absorbed form's attention run."""
     batch, num_tokens = x.shape[:2]
     positions = (start.astype(jnp.int32)[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :] if tree is None
                  else tree.positions)
-    q_nope, q_rope, c_kv, k_rope = project_inputs(x, weights, block, kernels, norm)
-    q_rope = rotate(q_rope, positions)
-    k_rope = rotate(k_rope[:, :, None, :], positions)[:, :, 0, :]
-    cache = write_latent(cache, layer, jnp.concatenate([c_kv, k_rope], axis=-1), start)
+    if latent_rows_in_kernel(x, weights, block, kernels):
+        q, cache = project_into_cache(x, weights, block, kernels, norm, rotate, rope_interleaved, positions, cache,
+                                      layer, start)
+        nope = weights["w_uk"].shape[1]
+        q = q.reshape(batch, num_tokens, weights["w_uk"].shape[0], -1)
+        q_nope, q_rope = q[..., :nope], rotate(q[..., nope:], positions)
+    else:
+        q_nope, q_rope, c_kv, k_rope = project_inputs(x, weights, block, kernels, norm)
+        q_rope = rotate(q_rope, positions)
+        k_rope = rotate(k_rope[:, :, None, :], positions)[:, :, 0, :]
+        cache = write_latent(cache, layer, jnp.concatenate([c_kv, k_rope], axis=-1), start)
     attend = functools.partial(absorbed_attention, kernels=kernels) if absorbed else expanded_attention
     heads = attend(q_nope, q_rope, cache, layer, start, weights["w_uk"], weights["w_uv"], scale=scale, tree=tree)
     return linear(heads.reshape(batch, num_tokens, -1), weights, "wo", block, kernels), cache

@@ -191,3 +191,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, *, inte
 def _rotate(a: jax.Array, b: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Each pair (a, b) turned by its angle: (a cos - b sin, b cos + a sin)."""
     return a * cos - b * sin, b * cos + a * sin
+
+
+def unit_rotation(rotate: Rotate, positions: jax.Array, rope: int, interleaved: bool) -> jax.Array:
+    """[B * T, rope] fp32: the cos and sin `rotate` turns each pair by at positions [B, T], where the pair's first
+    and second values lie (interleaved: (2i, 2i + 1), else (i, i + rope / 2)): the rotation of unit pairs (1, 0)
+    in fp32, which is (cos, sin) exactly. For a kernel that rotates as `rotate` does (kernels/latent_rows.py)."""
+    units = np.zeros((rope,), np.float32)   # a constant of the program: no launches to build it
+    units[slice(0, None, 2) if interleaved else slice(0, rope // 2)] = 1.0
+    return rotate(jnp.broadcast_to(units, (*positions.shape, 1, rope)), positions).reshape(-1, rope)

@@ -1,0 +1,137 @@
+"""MLA's latent rows kernel (kernels/latent_rows.py), interpreted, against the launches it replaces: the partials'
+sum, f16_rows' q rows, rms_norm's c_kv, the model's own rotation of k_rope and mla.write_latent; and the layer
+with it against the layer without it."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.kernels.grouped_matmul_triton import f16_rows
+from specjax.kernels.latent_rows import latent_rows
+from specjax.kernels.projection_reference import rms_norm
+from specjax.models import mla
+from specjax.models.rope import rotary, unit_rotation
+
+Q_WIDTH, Q_RANK, RANK, ROPE = 256, 200, 128, 64   # q_a's columns zero-padded to whole blocks, as in wqkv_a
+YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def separate_launches(partials, q_norm, kv_norm, rotate, positions, cache, layer, start):
+    """What the layer computed before the kernel: (f16 rows, unscale, cache)."""
+    batch, tokens = positions.shape
+    both = functools.reduce(jnp.add, list(partials)).astype(jnp.bfloat16)
+    values, unscale = f16_rows(both[:, :Q_RANK], True, q_norm)
+    c_kv = rms_norm(both[:, Q_WIDTH:Q_WIDTH + RANK], *kv_norm).reshape(batch, tokens, RANK)
+    k_rope = rotate(both[:, Q_WIDTH + RANK:].reshape(batch, tokens, 1, ROPE), positions)[:, :, 0]
+    return values, unscale, mla.write_latent(cache, layer, jnp.concatenate([c_kv, k_rope], axis=-1), start)
+
+
+@pytest.mark.parametrize("batch, tokens, splits, interleaved, scaling", [
+    (1, 1, 7, True, YARN), (3, 4, 2, True, YARN), (2, 3, 1, False, None)])
+def test_the_kernel_is_the_separate_launches_bit_for_bit(batch, tokens, splits, interleaved, scaling):
+    keys = jax.random.split(jax.random.key(batch * 10 + tokens), 6)
+    rows = batch * tokens
+    partials = jax.random.normal(keys[0], (splits, rows, Q_WIDTH + RANK + ROPE), jnp.float32) * 3
+    q_norm = (1 + 0.1 * jax.random.normal(keys[1], (Q_RANK,))).astype(jnp.bfloat16), 1e-6
+    kv_norm = (1 + 0.1 * jax.random.normal(keys[2], (RANK,))).astype(jnp.bfloat16), 1e-6
+    cache = jax.random.normal(keys[3], (2, batch, 16, RANK + ROPE), jnp.bfloat16)
+    start = jax.random.randint(keys[4], (batch,), 0, 16 - tokens, jnp.int32)
+    positions = start[:, None] + jnp.arange(tokens, dtype=jnp.int32) + 1000   # positions apart from slots (trees)
+    rotate = rotary(ROPE, 10000.0, scaling, interleaved=interleaved, max_position_embeddings=163840)
+    layer = jnp.int32(1)
+
+    want_values, want_unscale, want_cache = separate_launches(partials, q_norm, kv_norm, rotate, positions, cache,
+                                                              layer, start)
+    rotation = unit_rotation(rotate, positions, ROPE, interleaved)
+    run = jax.jit(lambda p, qw, kvw, r, c, s: latent_rows(p, (qw, q_norm[1]), (kvw, kv_norm[1]), Q_WIDTH, r, c,
+                                                          layer, s, interleaved=interleaved, interpret=True))
+    got, got_cache = run(partials, q_norm[0], kv_norm[0], rotation, cache, start)
+    np.testing.assert_array_equal(np.asarray(got.values), np.asarray(want_values))
+    np.testing.assert_array_equal(np.asarray(got.unscale), np.asarray(want_unscale))
+    got_cache, want_cache = np.asarray(got_cache, np.float32), np.asarray(want_cache, np.float32)
+    np.testing.assert_array_equal(got_cache[..., :RANK], want_cache[..., :RANK])
+    # The rotation's a cos - b sin may be contracted to a fused multiply-add by either compiler: a bf16 ulp.
+    np.testing.assert_allclose(got_cache[..., RANK:], want_cache[..., RANK:], rtol=2 ** -7, atol=0)
+
+
+def test_the_unit_rotation_is_the_rotations_cos_and_sin():
+    rotate = rotary(ROPE, 10000.0, YARN, interleaved=True, max_position_embeddings=163840)
+    positions = jnp.array([[0, 5, 70000]], jnp.int32)
+    pairs = unit_rotation(rotate, positions, ROPE, interleaved=True).reshape(3, ROPE // 2, 2)
+    x = jax.random.normal(jax.random.key(0), (1, 3, 1, ROPE), jnp.float32)
+    a, b = x[0, :, 0, 0::2], x[0, :, 0, 1::2]
+    cos, sin = pairs[..., 0], pairs[..., 1]
+    rotated = rotate(x, positions)[0, :, 0]
+    np.testing.assert_array_equal(np.asarray(rotated[:, 0::2]), np.asarray(a * cos - b * sin))
+    np.testing.assert_array_equal(np.asarray(rotated[:, 1::2]), np.asarray(b * cos + a * sin))
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_a_v3_layer_with_the_kernel_equals_it_without(tokens):
+    """A tiny FP8 DeepSeek-V3 in bf16 through the interpreted kernels, with the latent rows kernel and without:
+    the same logits and cache up to the rotation's bf16 ulp; and the kernel is in the program."""
+    from flax import nnx
+
+    from benchmarks.bench_deepseek import V3_4_LAYERS, config
+    from specjax.kernels.policy import KernelPolicy
+    from specjax.models.deepseek import FAMILY
+
+    cfg = config(V3_4_LAYERS, smoke=True)
+    graph, state = nnx.split(FAMILY.random(cfg, dtype=jnp.bfloat16, kernels=KernelPolicy(interpret=True)))
+    without = nnx.graphdef(nnx.eval_shape(lambda: FAMILY.random(
+        cfg, dtype=jnp.bfloat16, kernels=KernelPolicy(interpret=True, latent_rows_kernel=False))))
+    tokens_in = jax.random.randint(jax.random.key(3), (2, tokens), 0, cfg.vocab_size, jnp.int32)
+    start = jnp.array([5, 9], jnp.int32)
+
+    def step(g, st):
+        model = nnx.merge(g, st)
+        cache = model.init_cache(2, 16)
+        hidden, cache, _ = model(tokens_in, start, cache)
+        return model.logits(hidden), cache.latent
+
+    (got_logits, got_cache), (want_logits, want_cache) = (jax.jit(functools.partial(step, g))(state)
+                                                          for g in (graph, without))
+    np.testing.assert_allclose(np.asarray(got_cache, np.float32), np.asarray(want_cache, np.float32),
+                               rtol=2 ** -7, atol=2 ** -7)
+    np.testing.assert_allclose(np.asarray(got_logits, np.float32), np.asarray(want_logits, np.float32),
+                               rtol=0.05, atol=0.05)
+    program = str(jax.make_jaxpr(lambda st: step(graph, st))(state))
+    assert "specjax_latent_rows" in program
+    assert "specjax_latent_rows" not in str(jax.make_jaxpr(lambda st: step(without, st))(state))
+
+
+def test_a_verify_pass_rounds_as_decode_steps_do():
+    """Exact speculation needs a token's rows the same in a decode step and in a verify pass: through the
+    interpreted kernels, four one-token steps and one four-token pass write the same cache and give the same
+    logits, bit for bit."""
+    from flax import nnx
+
+    from benchmarks.bench_deepseek import V3_4_LAYERS, config
+    from specjax.kernels.policy import KernelPolicy
+    from specjax.models.deepseek import FAMILY
+
+    cfg = config(V3_4_LAYERS, smoke=True)
+    graph, state = nnx.split(FAMILY.random(cfg, dtype=jnp.bfloat16, kernels=KernelPolicy(interpret=True)))
+    tokens = jax.random.randint(jax.random.key(4), (2, 4), 0, cfg.vocab_size, jnp.int32)
+    start = jnp.array([3, 7], jnp.int32)
+
+    @jax.jit
+    def passes(st):
+        model = nnx.merge(graph, st)
+        cache = model.init_cache(2, 16)
+        hidden, whole, _ = model(tokens, start, cache)
+        steps = []
+        for t in range(4):
+            step_hidden, cache, _ = model(tokens[:, t:t + 1], start + t, cache)
+            steps.append(model.logits(step_hidden))
+        return model.logits(hidden), whole.latent, jnp.concatenate(steps, axis=1), cache.latent
+
+    verify_logits, verify_cache, step_logits, step_cache = passes(state)
+    assert "specjax_latent_rows" in str(jax.make_jaxpr(passes)(state))
+    np.testing.assert_array_equal(np.asarray(verify_cache, np.float32), np.asarray(step_cache, np.float32))
+    np.testing.assert_array_equal(np.asarray(verify_logits, np.float32), np.asarray(step_logits, np.float32))
