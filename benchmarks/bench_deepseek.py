@@ -14,8 +14,8 @@ cache, over the copy bandwidth measured in the same process.
 
 (--forms: which forms v3_step and v2_e2e time: the grouped matmul kernel, XLA's with it off, the kernel on FP8 rows
 (fp8_rows), the kernel with MLA's per-head products in it too (head_kernel), the kernel with MLA's latent rows in
-XLA's launches instead of their one kernel (split_latent), the kernel with each single FP8 projection's K split
-aiming at N programs (programsN); default kernel,xla. --profile:
+XLA's launches instead of their one kernel (split_latent), the same for the MLPs' SwiGLU rows (split_swiglu), the
+kernel with each single FP8 projection's K split aiming at N programs (programsN); default kernel,xla. --profile:
 v3_step also traces 5 steps of the kernel form at each batch, v2_e2e its plain loops, and writes where the device
 time goes, per kernel kind. --loop: v3_step also times each form's step inside plain decoding's generate loop at
 these batches, as the engine runs it (the whole loop one CUDA graph on a GPU), against the same floor.)
@@ -54,7 +54,7 @@ from specjax.models.moe import route
 from specjax.models.mtp import MtpConfig, MtpHead
 
 SUITES = ("v3_step", "v2_e2e", "mtp", "v2_transformers")
-FORMS = ("kernel", "xla", "fp8_rows", "head_kernel", "split_latent")
+FORMS = ("kernel", "xla", "fp8_rows", "head_kernel", "split_latent", "split_swiglu")
 DEFAULT_FORMS = ("kernel", "xla")
 YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
 # DeepSeek-V3's config.json, 4 layers instead of 61, the first one dense (V3 has 3).
@@ -142,6 +142,7 @@ def form_subjects(cfg: DeepseekConfig, target, forms: tuple[str, ...]) -> dict:
     stacks by rows quantized to FP8 (KernelPolicy.fp8_activations; the same as "kernel" for a bf16 model),
     "head_kernel" the kernel running MLA's W_UK / W_UV products too (KernelPolicy.head_matmul_max_tokens),
     "split_latent" the kernel with MLA's latent rows in XLA's separate launches (KernelPolicy.latent_rows_kernel),
+    "split_swiglu" the same for the MLPs' SwiGLU rows (KernelPolicy.swiglu_rows_kernel),
     "programsN" the kernel with each single FP8 projection's K split aiming at N programs
     (KernelPolicy.projection_programs)."""
     def under(policy: KernelPolicy):
@@ -154,7 +155,8 @@ def form_policy(form: str) -> KernelPolicy:
     """The kernel policy of one of form_subjects' forms."""
     policies = {"kernel": KernelPolicy(), "xla": KernelPolicy(grouped_matmul_kernel=False),
                 "fp8_rows": KernelPolicy(fp8_activations=True), "head_kernel": KernelPolicy(head_matmul_max_tokens=64),
-                "split_latent": KernelPolicy(latent_rows_kernel=False)}
+                "split_latent": KernelPolicy(latent_rows_kernel=False),
+                "split_swiglu": KernelPolicy(swiglu_rows_kernel=False)}
     return policies[form] if form in policies else KernelPolicy(projection_programs=programs_of(form))
 
 
@@ -354,7 +356,7 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, batch 1, to check the script on CPU")
     parser.add_argument("--forms", default=",".join(DEFAULT_FORMS),
                         help="v3_step's and v2_e2e's forms: kernel, xla, fp8_rows, head_kernel, split_latent, "
-                        "programsN")
+                        "split_swiglu, programsN")
     parser.add_argument("--batches", type=int, nargs="+", help="batch sizes (default: 1 8 32 128 for v3_step, 1 8 "
                         "for the V2-Lite suites; --smoke: 1)")
     parser.add_argument("--profile", action="store_true", help="trace each form's steps (v3_step) or the kernel "

@@ -18,6 +18,7 @@ from jax._src.pallas.triton import pallas_call_registration as registration
 from specjax.kernels.attention_triton import attention_triton
 from specjax.kernels.grouped_matmul_triton import ScaledRows, default_config, f16_rows, grouped_matmul_triton
 from specjax.kernels.latent_rows import latent_rows
+from specjax.kernels.swiglu_rows import swiglu_rows
 from specjax.kernels.moe_routing import router_logits
 from specjax.kernels.moe_routing_reference import Routing
 from specjax.kernels.moe_routing_triton import select_experts_triton
@@ -216,4 +217,12 @@ def test_latent_rows_kernel_lowers(triton_modules, rows, splits, interleaved):
     cache = jnp.zeros((4, rows, 1040, 576), jnp.bfloat16)
     lower_for_cuda(lambda p, r, c, s: latent_rows(p, *norms, 1536, r, c, 2, s, interleaved=interleaved),
                    partials, jnp.zeros((rows, 64), jnp.float32), cache, jnp.zeros((rows,), jnp.int32))
+    assert_verified(triton_modules)
+
+
+@pytest.mark.parametrize("splits, rows, width", [(2, 9, 2048), (3, 1, 18432)])
+def test_swiglu_rows_kernel_lowers(triton_modules, splits, rows, width):
+    """DeepSeek-V3's experts (a token's 9 slots) and its dense MLP (18432 wide, in chunks)."""
+    partials = jnp.zeros((splits, rows, width), jnp.float32)
+    lower_for_cuda(swiglu_rows, partials, partials)
     assert_verified(triton_modules)

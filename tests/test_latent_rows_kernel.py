@@ -1,6 +1,6 @@
 """MLA's latent rows kernel (kernels/latent_rows.py), interpreted, against the launches it replaces: the partials'
-sum, f16_rows' q rows, rms_norm's c_kv, the model's own rotation of k_rope and mla.write_latent; and the layer
-with it against the layer without it."""
+sum, f16_rows' q rows, rms_norm's c_kv, the model's own rotation of k_rope and mla.write_latent
+(tests/test_deepseek_row_kernels.py runs it in the model)."""
 from __future__ import annotations
 
 import functools
@@ -70,68 +70,3 @@ def test_the_unit_rotation_is_the_rotations_cos_and_sin():
     np.testing.assert_array_equal(np.asarray(rotated[:, 0::2]), np.asarray(a * cos - b * sin))
     np.testing.assert_array_equal(np.asarray(rotated[:, 1::2]), np.asarray(b * cos + a * sin))
 
-
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_a_v3_layer_with_the_kernel_equals_it_without(tokens):
-    """A tiny FP8 DeepSeek-V3 in bf16 through the interpreted kernels, with the latent rows kernel and without:
-    the same logits and cache up to the rotation's bf16 ulp; and the kernel is in the program."""
-    from flax import nnx
-
-    from benchmarks.bench_deepseek import V3_4_LAYERS, config
-    from specjax.kernels.policy import KernelPolicy
-    from specjax.models.deepseek import FAMILY
-
-    cfg = config(V3_4_LAYERS, smoke=True)
-    graph, state = nnx.split(FAMILY.random(cfg, dtype=jnp.bfloat16, kernels=KernelPolicy(interpret=True)))
-    without = nnx.graphdef(nnx.eval_shape(lambda: FAMILY.random(
-        cfg, dtype=jnp.bfloat16, kernels=KernelPolicy(interpret=True, latent_rows_kernel=False))))
-    tokens_in = jax.random.randint(jax.random.key(3), (2, tokens), 0, cfg.vocab_size, jnp.int32)
-    start = jnp.array([5, 9], jnp.int32)
-
-    def step(g, st):
-        model = nnx.merge(g, st)
-        cache = model.init_cache(2, 16)
-        hidden, cache, _ = model(tokens_in, start, cache)
-        return model.logits(hidden), cache.latent
-
-    (got_logits, got_cache), (want_logits, want_cache) = (jax.jit(functools.partial(step, g))(state)
-                                                          for g in (graph, without))
-    np.testing.assert_allclose(np.asarray(got_cache, np.float32), np.asarray(want_cache, np.float32),
-                               rtol=2 ** -7, atol=2 ** -7)
-    np.testing.assert_allclose(np.asarray(got_logits, np.float32), np.asarray(want_logits, np.float32),
-                               rtol=0.05, atol=0.05)
-    program = str(jax.make_jaxpr(lambda st: step(graph, st))(state))
-    assert "specjax_latent_rows" in program
-    assert "specjax_latent_rows" not in str(jax.make_jaxpr(lambda st: step(without, st))(state))
-
-
-def test_a_verify_pass_rounds_as_decode_steps_do():
-    """Exact speculation needs a token's rows the same in a decode step and in a verify pass: through the
-    interpreted kernels, four one-token steps and one four-token pass write the same cache and give the same
-    logits, bit for bit."""
-    from flax import nnx
-
-    from benchmarks.bench_deepseek import V3_4_LAYERS, config
-    from specjax.kernels.policy import KernelPolicy
-    from specjax.models.deepseek import FAMILY
-
-    cfg = config(V3_4_LAYERS, smoke=True)
-    graph, state = nnx.split(FAMILY.random(cfg, dtype=jnp.bfloat16, kernels=KernelPolicy(interpret=True)))
-    tokens = jax.random.randint(jax.random.key(4), (2, 4), 0, cfg.vocab_size, jnp.int32)
-    start = jnp.array([3, 7], jnp.int32)
-
-    @jax.jit
-    def passes(st):
-        model = nnx.merge(graph, st)
-        cache = model.init_cache(2, 16)
-        hidden, whole, _ = model(tokens, start, cache)
-        steps = []
-        for t in range(4):
-            step_hidden, cache, _ = model(tokens[:, t:t + 1], start + t, cache)
-            steps.append(model.logits(step_hidden))
-        return model.logits(hidden), whole.latent, jnp.concatenate(steps, axis=1), cache.latent
-
-    verify_logits, verify_cache, step_logits, step_cache = passes(state)
-    assert "specjax_latent_rows" in str(jax.make_jaxpr(passes)(state))
-    np.testing.assert_array_equal(np.asarray(verify_cache, np.float32), np.asarray(step_cache, np.float32))
-    np.testing.assert_array_equal(np.asarray(verify_logits, np.float32), np.asarray(step_logits, np.float32))

@@ -74,6 +74,10 @@ class KernelPolicy:
     # q_a's rows prepared for an FP8 q_b, in one launch where that product runs in the grouped kernel (XLA launched
     # four: kernels/latent_rows.py).
     latent_rows_kernel: bool = True
+    # An MLP's gate and up partial sums and SwiGLU as its FP8 down's scaled float16 rows, in one launch where the
+    # MLP runs in the grouped kernel (XLA's fusion and f16_rows were two: kernels/swiglu_rows.py).
+    swiglu_rows_kernel: bool = True
+
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:

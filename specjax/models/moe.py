@@ -27,6 +27,7 @@ of their own.
 """
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 import jax
@@ -36,10 +37,12 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from specjax.kernels.grouped_matmul import ScaledRows, grouped_matmul, group_count, prepared_rows
+from specjax.kernels.grouped_matmul_triton import takes_f16_rows
 from specjax.kernels.moe_routing import router_logits, select_experts
 from specjax.kernels.moe_routing_reference import Routing, with_always_expert
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.projection_reference import rms_norm
+from specjax.kernels.swiglu_rows import swiglu_rows
 from specjax.models.fp8 import dequantize_stack, in_kernel, linear
 from specjax.parallel.mesh import Layout, current_layout
 
@@ -170,20 +173,22 @@ def _grouped_experts(x, ids, weights, experts, block, kernels: KernelPolicy | No
     if kernels is None:
         stacks = dict(zip(EXPERT_LEAVES, _stacks(experts, block, x.dtype)))
 
-        def matmul(lhs, names, groups):
+        def matmul(lhs, names, groups, partials=False):   # no kernel, no partials (swiglu_in_kernel is False)
             return [_ragged_dot(lhs, stacks[name], groups["group_sizes"]) for name in names]
     else:
-        def matmul(lhs, names, groups):
+        def matmul(lhs, names, groups, partials=False):
             fp8 = names[0] + "_scale" in experts
             return grouped_matmul(lhs, [experts[name] for name in names], **groups,
                                   scale=[experts[name + "_scale"] for name in names] if fp8 else None,
-                                  block=block if fp8 else None, kernels=kernels)
+                                  block=block if fp8 else None, kernels=kernels, split_partials=partials)
+    rows_kernel = swiglu_in_kernel(x.dtype, experts, "we_", kernels, group_count(experts["we_down"]))
     # Sorted slots' gate and up in one launch: their tiles run in waves, whose last one the pair then pays once;
     # a token's slots (9 tiles) fill the GPU in one wave per launch, which joined they overfill (H100 profile:
     # benchmarks/RESULTS.md, "Gate and up in one launch").
-    gate, up = (matmul(slots, ["we_gate"], into) + matmul(slots, ["we_up"], into) if in_slot_order
-                else matmul(slots, ["we_gate", "we_up"], into))
-    (out,) = matmul(jax.nn.silu(gate) * up, ["we_down"], within)
+    gate, up = (matmul(slots, ["we_gate"], into, rows_kernel) + matmul(slots, ["we_up"], into, rows_kernel)
+                if in_slot_order else matmul(slots, ["we_gate", "we_up"], into, rows_kernel))
+    hidden = swiglu_rows(gate, up, kernels.interpret) if rows_kernel else jax.nn.silu(gate) * up
+    (out,) = matmul(hidden, ["we_down"], within)
     if not in_slot_order:
         out = out[rank]   # a gather the combine's fusion takes in (a scatter needed zeros of its own)
     return _combine(out.reshape(num_tokens, k, -1), weights, x.dtype)
@@ -231,8 +236,26 @@ def swiglu_mlp(x: jax.Array, weights: Mapping[str, jax.Array], prefix: str,
     """down(silu(gate(x)) * up(x)) of the weights `{prefix}gate`, `{prefix}up`, `{prefix}down` (FP8 or not): a
     dense layer's MLP (prefix "w_") or the shared experts ("ws_"). norm (weight, eps): of rms_norm(x, weight, eps)
     instead, normalised inside the kernel's row scaling where that runs (fp8.linear)."""
+    tokens = math.prod(x.shape[:-1])
+    if swiglu_in_kernel(x.dtype, weights, prefix, kernels, 1) and in_kernel(tokens, True, block, kernels):
+        gate, up = (linear(x, weights, prefix + name, block, kernels, norm=norm, split_partials=True)
+                    for name in ("gate", "up"))
+        down = linear(swiglu_rows(gate, up, kernels.interpret), weights, prefix + "down", block, kernels)
+        return down.reshape(*x.shape[:-1], -1)
     gate, up = (linear(x, weights, prefix + name, block, kernels, norm=norm) for name in ("gate", "up"))
     return linear(jax.nn.silu(gate) * up, weights, prefix + "down", block, kernels)
+
+
+def swiglu_in_kernel(dtype, weights: Mapping[str, jax.Array], prefix: str, kernels: KernelPolicy | None,
+                     groups: int) -> bool:
+    """Whether an MLP's down (`{prefix}down`, a stack of `groups`) takes its rows from the SwiGLU rows kernel
+    (kernels/swiglu_rows.py): FP8 gate, up and down in the grouped kernel, meeting bf16 rows as float16."""
+    names = [prefix + name for name in ("gate", "up", "down")]
+    down = weights[names[-1]]
+    down = down[0] if isinstance(down, tuple) else down   # routed and shared stacks joined: alike
+    return (kernels is not None and kernels.swiglu_rows_kernel and all(name + "_scale" in weights for name in names)
+            and takes_f16_rows(dtype, down, kernels.fp8_activations)
+            and kernels.use_grouped_matmul_kernel(fp8=True, rows=1, groups=groups))
 
 
 def moe(x: jax.Array, weights: Mapping[str, jax.Array], routing: Routing, *,

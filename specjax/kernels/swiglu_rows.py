@@ -1,0 +1,73 @@
+"""An MLP's SwiGLU rows for its FP8 down projection, in one launch: the gate and up products' K-split partial sums
+added up, silu(gate) * up rounded as XLA's fusion of the bf16 ops rounds it, and the result as the scaled float16 rows the grouped
+kernel takes against an FP8 stack (grouped_matmul_triton.f16_rows). XLA's fusion of the sums and SwiGLU and the
+rows' own kernel were two launches per MLP.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from specjax.kernels.grouped_matmul_triton import ScaledRows, f16_scale
+
+# Columns a program reads at once: the row's largest value is found over chunks, then each chunk is computed
+# again and stored (the intermediate rows of an MLP are up to 18432 wide, too many to hold at once).
+CHUNK = 4096
+
+
+def swiglu_rows(gate: jax.Array, up: jax.Array, interpret: bool = False) -> ScaledRows:
+    """gate, up [S, M, N]: fp32 partial products over S splits of K (the grouped kernel's split_partials) ->
+    silu(gate) * up [M, N] as ScaledRows: each product summed in split order and rounded to bf16, then silu and
+    the product in fp32 rounded once to bf16 (XLA's fusion of jax.nn.silu(gate) * up), then f16_rows' scaling."""
+    if gate.shape != up.shape or gate.ndim != 3:
+        raise ValueError(f"swiglu_rows: gate and up must be alike [S, M, N], got {list(gate.shape)} and "
+                         f"{list(up.shape)}")
+    splits, rows, width = gate.shape
+    block = min(CHUNK, pl.next_power_of_2(width))
+    values, unscale = pl.pallas_call(
+        functools.partial(_swiglu_rows_kernel, splits=splits, width=width, block=block),
+        grid=(rows,),
+        in_specs=[pl.BlockSpec(), pl.BlockSpec()],
+        out_specs=[pl.BlockSpec(), pl.BlockSpec()],
+        out_shape=[jax.ShapeDtypeStruct((rows, width), jnp.float16), jax.ShapeDtypeStruct((rows,), jnp.float32)],
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="specjax_swiglu_rows",
+    )(gate, up)
+    return ScaledRows(values, unscale)
+
+
+def _swiglu_rows_kernel(gate_ref, up_ref, values_ref, unscale_ref, *, splits: int, width: int, block: int) -> None:
+    """One row: its largest SwiGLU value over the chunks, then each chunk again, scaled to float16."""
+    m = pl.program_id(0)
+    chunks = pl.cdiv(width, block)
+
+    def chunk(c):
+        columns = c * block + lax.broadcasted_iota(jnp.int32, (block,), 0)
+        ok = columns < width
+
+        def summed(ref):   # unrolled: the splits' loads independent, added in split order
+            parts = [plt.load(ref.at[s, m, columns], mask=ok, other=0.0) for s in range(splits)]
+            return functools.reduce(jnp.add, parts).astype(jnp.bfloat16).astype(jnp.float32)
+
+        gate, up = summed(gate_ref), summed(up_ref)
+        # In fp32 to the one rounding at the end, as XLA's fusion computes the bf16 ops (its excess precision).
+        return columns, ok, (gate * jax.nn.sigmoid(gate) * up).astype(jnp.bfloat16).astype(jnp.float32)
+
+    def largest(c, amax):
+        return jnp.maximum(amax, jnp.max(jnp.abs(chunk(c)[2])))
+
+    scale, unscale = f16_scale(lax.fori_loop(0, chunks, largest, jnp.float32(0)))
+
+    def store(c, carry):
+        columns, ok, values = chunk(c)
+        plt.store(values_ref.at[m, columns], (values * scale).astype(jnp.float16), mask=ok)
+        return carry
+
+    lax.fori_loop(0, chunks, store, 0)
+    unscale_ref[m] = unscale
