@@ -349,16 +349,27 @@ def _f16_rows_kernel(x_ref, *refs, block_k: int, eps: float | None, keep_normali
         weight = plt.load(norm_ref.at[ks], mask=ok, other=0.0).astype(jnp.float32)
         return ks, ok, (weight * normalised).astype(x_ref.dtype).astype(jnp.float32)
 
+    def keep(ks, ok, values):
+        plt.store(normalised_ref.at[row, ks], values.astype(normalised_ref.dtype), mask=ok)
+
+    store_scaled_f16(row_values, chunks, out_ref, unscale_ref, row, keep if normalised_ref is not None else None)
+
+
+def store_scaled_f16(chunk_values, chunks: int, out_ref, unscale_ref, row, also=None) -> None:
+    """Inside a kernel: row `row`, whose chunk c is chunk_values(c) -> (columns, mask, fp32 values), stored into
+    out_ref as float16 times the power of two that puts its largest magnitude in [2^14, 2^15) (f16_scale), and
+    that power's inverse into unscale_ref[row]; each chunk computed twice (its largest first), not held.
+    also(columns, mask, values): another store of each chunk."""
     def largest(c, amax):
-        return jnp.maximum(amax, jnp.max(jnp.abs(row_values(c)[2])))
+        return jnp.maximum(amax, jnp.max(jnp.abs(chunk_values(c)[2])))
 
     scale, unscale = f16_scale(lax.fori_loop(0, chunks, largest, jnp.float32(0)))
 
     def store(c, carry):
-        ks, ok, values = row_values(c)
-        plt.store(out_ref.at[row, ks], (values * scale).astype(jnp.float16), mask=ok)
-        if normalised_ref is not None:
-            plt.store(normalised_ref.at[row, ks], values.astype(normalised_ref.dtype), mask=ok)
+        columns, ok, values = chunk_values(c)
+        plt.store(out_ref.at[row, columns], (values * scale).astype(jnp.float16), mask=ok)
+        if also is not None:
+            also(columns, ok, values)
         return carry
 
     lax.fori_loop(0, chunks, store, 0)

@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from specjax.kernels.grouped_matmul_triton import ScaledRows, f16_scale
+from specjax.kernels.grouped_matmul_triton import ScaledRows, store_scaled_f16
 
 
 def latent_rows(partials: jax.Array, q_norm: tuple[jax.Array, float], kv_norm: tuple[jax.Array, float],
@@ -78,9 +78,7 @@ def _latent_rows_kernel(partials_ref, q_weight_ref, kv_weight_ref, rotation_ref,
     normalised = (q * inverse).astype(jnp.bfloat16).astype(jnp.float32)
     q_weight = plt.load(q_weight_ref.at[q_cols], mask=q_ok, other=0.0).astype(jnp.float32)
     q = (q_weight * normalised).astype(jnp.bfloat16).astype(jnp.float32)
-    scale, unscale = f16_scale(jnp.max(jnp.abs(q)))
-    plt.store(values_ref.at[m, q_cols], (q * scale).astype(jnp.float16), mask=q_ok)
-    unscale_ref[m] = unscale
+    store_scaled_f16(lambda c: (q_cols, q_ok, q), 1, values_ref, unscale_ref, m)
 
     # c_kv as rms_norm rounds it: fp32 normalised, rounded, times the weight in bf16.
     kv_cols, kv_ok, kv_src = block(q_width, rank)

@@ -13,7 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from specjax.kernels.grouped_matmul_triton import ScaledRows, f16_scale
+from specjax.kernels.grouped_matmul_triton import ScaledRows, store_scaled_f16
 
 # Columns a program reads at once: the row's largest value is found over chunks, then each chunk is computed
 # again and stored (the intermediate rows of an MLP are up to 18432 wide, too many to hold at once).
@@ -43,7 +43,7 @@ def swiglu_rows(gate: jax.Array, up: jax.Array, interpret: bool = False) -> Scal
 
 
 def _swiglu_rows_kernel(gate_ref, up_ref, values_ref, unscale_ref, *, splits: int, width: int, block: int) -> None:
-    """One row: its largest SwiGLU value over the chunks, then each chunk again, scaled to float16."""
+    """One row, chunk by chunk: its SwiGLU values, scaled to float16 by their largest."""
     m = pl.program_id(0)
     chunks = pl.cdiv(width, block)
 
@@ -59,15 +59,4 @@ def _swiglu_rows_kernel(gate_ref, up_ref, values_ref, unscale_ref, *, splits: in
         # In fp32 to the one rounding at the end, as XLA's fusion computes the bf16 ops (its excess precision).
         return columns, ok, (gate * jax.nn.sigmoid(gate) * up).astype(jnp.bfloat16).astype(jnp.float32)
 
-    def largest(c, amax):
-        return jnp.maximum(amax, jnp.max(jnp.abs(chunk(c)[2])))
-
-    scale, unscale = f16_scale(lax.fori_loop(0, chunks, largest, jnp.float32(0)))
-
-    def store(c, carry):
-        columns, ok, values = chunk(c)
-        plt.store(values_ref.at[m, columns], (values * scale).astype(jnp.float16), mask=ok)
-        return carry
-
-    lax.fori_loop(0, chunks, store, 0)
-    unscale_ref[m] = unscale
+    store_scaled_f16(chunk, chunks, values_ref, unscale_ref, m)
