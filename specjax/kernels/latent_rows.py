@@ -6,11 +6,14 @@ decode step, three of them only a few microseconds of work.
 
 The arithmetic is the separate launches': the partials added in split order and rounded to bf16, each norm as
 rms_norm rounds it (the q rows as f16_rows computes them, bit for bit), the rotation in fp32 from the cos and sin
-the caller's rotation gives (models/rope.py `unit_rotation`), so a row rounds the same in a decode step and in a verify pass.
+the caller's rotation gives (models/rope.py `unit_rotation`; a cos - b sin may land a bf16 ulp apart where a
+compiler fuses it into one multiply-add). A row's result depends on that row alone, so it rounds the same in a
+decode step and in a verify pass.
 """
 from __future__ import annotations
 
 import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
