@@ -97,11 +97,16 @@ def project_inputs(x: jax.Array, weights: dict, block: tuple[int, int] | None = 
         latent = both[..., fused_q_width(q_lora, block):]
         q = linear(both, weights, "wq_b", block, kernels, (weights["q_norm"], LATENT_NORM_EPS),
                    leading_columns=True)   # q_a's columns lead wqkv_a's
-    num_heads, nope, _ = weights["w_uk"].shape
-    q = q.reshape(*x.shape[:-1], num_heads, -1)
     rank = weights["kv_norm"].shape[0]
     c_kv = rms_norm(latent[..., :rank], weights["kv_norm"], LATENT_NORM_EPS)
-    return q[..., :nope], q[..., nope:], c_kv, latent[..., rank:]
+    return *_split_heads(q, x.shape[:-1], weights), c_kv, latent[..., rank:]
+
+
+def _split_heads(q: jax.Array, leading: tuple[int, ...], weights: dict) -> tuple[jax.Array, jax.Array]:
+    """q_b's (or q_proj's) output as (q_nope [..., H, nope], q_rope [..., H, rope]) with `leading` dims."""
+    num_heads, nope, _ = weights["w_uk"].shape
+    q = q.reshape(*leading, num_heads, -1)
+    return q[..., :nope], q[..., nope:]
 
 
 def latent_rows_in_kernel(x: jax.Array, weights: dict, block: tuple[int, int] | None, kernels: KernelPolicy) -> bool:
@@ -116,18 +121,18 @@ def latent_rows_in_kernel(x: jax.Array, weights: dict, block: tuple[int, int] | 
 def project_into_cache(x: jax.Array, weights: dict, block: tuple[int, int], kernels: KernelPolicy,
                        norm: tuple[jax.Array, float] | None, rotate: Rotation, rope_interleaved: bool,
                        positions: jax.Array, cache: jax.Array, layer: jax.Array | int,
-                       start: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """project_inputs' q (q_b's output [B * T, H * (nope + rope)], its rope part not yet rotated) and the cache
-    with the T latent rows written, as write_latent writes them: wqkv_a's partial products go to the latent rows
-    kernel, which sums them, writes [c_kv ; rotated k_rope] into the cache and hands q_a's normalised rows to
-    q_b as the kernel takes them (one launch where XLA's sum, norm, cache write and the rows' own made four)."""
+                       start: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """project_inputs' q_nope and not yet rotated q_rope, and the cache with the T latent rows written, as
+    write_latent writes them: wqkv_a's partial products go to the latent rows kernel, which sums them, writes
+    [c_kv ; rotated k_rope] into the cache and hands q_a's normalised rows to q_b as the kernel takes them (one
+    launch where XLA's sum, norm, cache write and the rows' own made four)."""
     partials = linear(x, weights, "wqkv_a", block, kernels, norm, split_partials=True)
     rank = weights["kv_norm"].shape[0]
     rotation = unit_rotation(rotate, positions, cache.shape[-1] - rank, rope_interleaved)
     q_rows, cache = latent_rows(partials, (weights["q_norm"], LATENT_NORM_EPS), (weights["kv_norm"], LATENT_NORM_EPS),
                                 fused_q_width(weights["q_norm"].shape[0], block), rotation, cache, layer, start,
                                 interleaved=rope_interleaved, interpret=kernels.interpret)
-    return linear(q_rows, weights, "wq_b", block, kernels), cache
+    return *_split_heads(linear(q_rows, weights, "wq_b", block, kernels), x.shape[:-1], weights), cache
 
 
 @jax.tree_util.register_dataclass
@@ -289,16 +294,13 @@ def mla_attention(x: jax.Array, weights: dict, cache: jax.Array, layer: jax.Arra
     positions = (start.astype(jnp.int32)[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :] if tree is None
                  else tree.positions)
     if latent_rows_in_kernel(x, weights, block, kernels):
-        q, cache = project_into_cache(x, weights, block, kernels, norm, rotate, rope_interleaved, positions, cache,
-                                      layer, start)
-        nope = weights["w_uk"].shape[1]
-        q = q.reshape(batch, num_tokens, weights["w_uk"].shape[0], -1)
-        q_nope, q_rope = q[..., :nope], rotate(q[..., nope:], positions)
+        q_nope, q_rope, cache = project_into_cache(x, weights, block, kernels, norm, rotate, rope_interleaved,
+                                                   positions, cache, layer, start)
     else:
         q_nope, q_rope, c_kv, k_rope = project_inputs(x, weights, block, kernels, norm)
-        q_rope = rotate(q_rope, positions)
         k_rope = rotate(k_rope[:, :, None, :], positions)[:, :, 0, :]
         cache = write_latent(cache, layer, jnp.concatenate([c_kv, k_rope], axis=-1), start)
+    q_rope = rotate(q_rope, positions)
     attend = functools.partial(absorbed_attention, kernels=kernels) if absorbed else expanded_attention
     heads = attend(q_nope, q_rope, cache, layer, start, weights["w_uk"], weights["w_uv"], scale=scale, tree=tree)
     return linear(heads.reshape(batch, num_tokens, -1), weights, "wo", block, kernels), cache
