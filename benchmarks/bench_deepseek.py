@@ -40,8 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.bench_engine import (SMOKE_SIZES, Sizes, acceptance_sweep, first_token_time, head_step_time,
-                                     plain_times, run_plain, step_fn, step_time, stepper, subject)
+from benchmarks.bench_engine import (SMOKE_SIZES, Sizes, acceptance_sweep, e2e_suite, head_step_time, plain_times,
+                                     run_plain, step_fn, step_time, stepper, subject)
 from benchmarks.common import copy_bandwidth, print_table, write_json
 from benchmarks.device_trace import busy_ns, by_kernel, traced_kernels
 from benchmarks.gpu_target import compiled_for, compiling_for, h200
@@ -225,13 +225,12 @@ def v3_step_launches(batches: tuple[int, ...], smoke: bool, forms: tuple[str, ..
 
 def loop_step_time(model, B: int, smoke: bool) -> float:
     """Seconds per step of plain decoding's generate loop over B random prompts of CONTEXT tokens (LOOP_TOKENS
-    new tokens, the prefill and first token left out): the decode step inside the loop, where a step timed alone
-    also pays its dispatch. Greedy rows of random weights may repeat tokens and share experts, so past batch 1 the
-    floor of distinct rows' experts can overstate what the loop reads."""
+    new tokens, the prefill and first token left out: e2e_suite's ms_per_step): the decode step with the loop's
+    sampling and bookkeeping around it, one graph launch for the whole loop. Greedy rows of random weights may
+    repeat tokens and share experts, so past batch 1 the floor of distinct rows' experts can overstate what the
+    loop reads."""
     sizes = SMOKE_SIZES if smoke else Sizes(prompt_len=CONTEXT, new_tokens=LOOP_TOKENS)
-    first, steady, steps = run_plain(model, B, sizes.prompt_len, sizes.new_tokens)
-    ttft = first_token_time(model.plain, model.state, None, B, sizes.prompt_len, sizes.new_tokens, 0)
-    return (steady - ttft) / max(steps, 1)
+    return e2e_suite(model, (B,), sizes)[0]["ms_per_step"] / 1e3
 
 
 def step_kernels(model, B: int) -> list:
