@@ -78,7 +78,6 @@ class KernelPolicy:
     # MLP runs in the grouped kernel (XLA's fusion and f16_rows were two: kernels/swiglu_rows.py).
     swiglu_rows_kernel: bool = True
 
-
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
             raise ValueError(f"kernel impl must be one of {IMPLS}, got {self.impl!r}")

@@ -236,14 +236,12 @@ def swiglu_mlp(x: jax.Array, weights: Mapping[str, jax.Array], prefix: str,
     """down(silu(gate(x)) * up(x)) of the weights `{prefix}gate`, `{prefix}up`, `{prefix}down` (FP8 or not): a
     dense layer's MLP (prefix "w_") or the shared experts ("ws_"). norm (weight, eps): of rms_norm(x, weight, eps)
     instead, normalised inside the kernel's row scaling where that runs (fp8.linear)."""
-    tokens = math.prod(x.shape[:-1])
-    if swiglu_in_kernel(x.dtype, weights, prefix, kernels, 1) and in_kernel(tokens, True, block, kernels):
-        gate, up = (linear(x, weights, prefix + name, block, kernels, norm=norm, split_partials=True)
-                    for name in ("gate", "up"))
-        down = linear(swiglu_rows(gate, up, kernels.interpret), weights, prefix + "down", block, kernels)
-        return down.reshape(*x.shape[:-1], -1)
-    gate, up = (linear(x, weights, prefix + name, block, kernels, norm=norm) for name in ("gate", "up"))
-    return linear(jax.nn.silu(gate) * up, weights, prefix + "down", block, kernels)
+    rows_kernel = (swiglu_in_kernel(x.dtype, weights, prefix, kernels, 1)
+                   and in_kernel(math.prod(x.shape[:-1]), True, block, kernels))
+    gate, up = (linear(x, weights, prefix + name, block, kernels, norm=norm, split_partials=rows_kernel)
+                for name in ("gate", "up"))
+    hidden = swiglu_rows(gate, up, kernels.interpret) if rows_kernel else jax.nn.silu(gate) * up
+    return linear(hidden, weights, prefix + "down", block, kernels).reshape(*x.shape[:-1], -1)
 
 
 def swiglu_in_kernel(dtype, weights: Mapping[str, jax.Array], prefix: str, kernels: KernelPolicy | None,
