@@ -22,6 +22,10 @@ from jax.experimental.pallas import triton as plt
 
 from specjax.kernels.grouped_matmul_triton import ScaledRows, store_scaled_f16
 
+# Warps of a row's one program: its loads of every split's partials are in flight together only as far as the
+# registers of its threads hold them.
+NUM_WARPS = 8
+
 
 def latent_rows(partials: jax.Array, q_norm: tuple[jax.Array, float], kv_norm: tuple[jax.Array, float],
                 q_width: int, rotation: jax.Array, cache: jax.Array, layer: jax.Array | int, start: jax.Array, *,
@@ -48,7 +52,7 @@ def latent_rows(partials: jax.Array, q_norm: tuple[jax.Array, float], kv_norm: t
         out_specs=[pl.BlockSpec() for _ in out_shape],
         out_shape=out_shape,
         input_output_aliases={len(args) - 1: 2},   # the cache is updated where it lies
-        compiler_params=plt.CompilerParams(num_warps=8, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret,
         name="specjax_latent_rows",
     )(*args)

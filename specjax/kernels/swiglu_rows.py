@@ -19,6 +19,7 @@ from specjax.kernels.grouped_matmul_triton import ScaledRows, store_scaled_f16
 # Columns a program reads at once: the row's largest value is found over chunks, then each chunk is computed
 # again and stored (the intermediate rows of an MLP are up to 18432 wide, too many to hold at once).
 CHUNK = 4096
+NUM_WARPS = 4
 
 
 def swiglu_rows(gate: jax.Array, up: jax.Array, interpret: bool = False) -> ScaledRows:
@@ -36,7 +37,7 @@ def swiglu_rows(gate: jax.Array, up: jax.Array, interpret: bool = False) -> Scal
         in_specs=[pl.BlockSpec(), pl.BlockSpec()],
         out_specs=[pl.BlockSpec(), pl.BlockSpec()],
         out_shape=[jax.ShapeDtypeStruct((rows, width), jnp.float16), jax.ShapeDtypeStruct((rows,), jnp.float32)],
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret,
         name="specjax_swiglu_rows",
     )(gate, up)
