@@ -183,6 +183,14 @@ def test_the_table_follows_the_live_rows():
     assert ks == [3, 3, 0, 0, 0, 3, 3, 1, 3]   # 6, 7 and 9 lie outside every row: num_speculative_tokens
 
 
+def test_the_sweeps_fixed_engines_are_each_k_or_those_named():
+    from benchmarks.bench_sweep import speculative_engines
+    names = [name for name, _ in speculative_engines(["fixed", "auto"], 3, 1.2, "ngram", 8)]
+    assert names == ["k=1", "k=2", "k=3", "auto k<=3"]
+    named = speculative_engines(["fixed", "auto"], 3, 1.2, "ngram", 8, fixed=(2,))
+    assert [(name, spec["num_speculative_tokens"]) for name, spec in named] == [("k=2", 2), ("auto k<=3", 3)]
+
+
 @pytest.mark.parametrize("k_max", [3, 5])
 def test_the_sweeps_forced_engines_compile_autos_tiers_and_hold_their_k(k_max):
     """benchmarks/bench_sweep.py's "forced" engines measure the adaptive loop's machinery apart from its choices:
