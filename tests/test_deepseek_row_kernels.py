@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from benchmarks.bench_deepseek import V3_4_LAYERS, config
+from specjax.kernels import swiglu_rows
 from specjax.kernels.policy import KernelPolicy
 from specjax.models import moe
 from specjax.models.deepseek import FAMILY
@@ -68,6 +69,18 @@ def test_an_mlp_with_the_swiglu_rows_kernel_equals_it_without(tokens):
         assert np.abs(got - want).max() <= 2 ** -5 * np.abs(want).max(), name
         assert KERNEL_NAMES["swiglu_rows_kernel"] in str(jax.make_jaxpr(lambda: block(on))())
         assert KERNEL_NAMES["swiglu_rows_kernel"] not in str(jax.make_jaxpr(lambda: block(off))())
+
+def test_the_swiglu_rows_kernel_takes_rows_up_to_its_width():
+    """A row is one program of the kernel: a dense MLP's wide rows stay with XLA's fusion and f16_rows."""
+    def weights(width: int) -> dict:
+        shapes = {"w_gate": (128, width), "w_up": (128, width), "w_down": (width, 128)}
+        out = {name: jnp.zeros(shape, jnp.float8_e4m3fn) for name, shape in shapes.items()}
+        return out | {name + "_scale": jnp.ones((shape[0] // 128, shape[1] // 128)) for name, shape in shapes.items()}
+
+    kernels = KernelPolicy(interpret=True)
+    assert moe.swiglu_in_kernel(jnp.bfloat16, weights(swiglu_rows.MAX_WIDTH), "w_", kernels, 1)
+    assert not moe.swiglu_in_kernel(jnp.bfloat16, weights(swiglu_rows.MAX_WIDTH + 128), "w_", kernels, 1)
+
 
 def test_a_verify_pass_rounds_as_decode_steps_do():
     """Exact speculation needs a token's rows the same in a decode step and in a verify pass: through the

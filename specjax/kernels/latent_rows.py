@@ -24,7 +24,7 @@ from specjax.kernels.grouped_matmul_triton import ScaledRows, store_scaled_f16
 
 # Warps of a row's one program: its loads of every split's partials are in flight together only as far as the
 # registers of its threads hold them.
-NUM_WARPS = 8
+NUM_WARPS = 16
 
 
 def latent_rows(partials: jax.Array, q_norm: tuple[jax.Array, float], kv_norm: tuple[jax.Array, float],

@@ -19,7 +19,11 @@ from specjax.kernels.grouped_matmul_triton import ScaledRows, store_scaled_f16
 # Columns a program reads at once: the row's largest value is found over chunks, then each chunk is computed
 # again and stored (the intermediate rows of an MLP are up to 18432 wide, too many to hold at once).
 CHUNK = 4096
-NUM_WARPS = 4
+# A row is one program, so a wide row's partials are read by one SM: a dense V3 MLP's 18432 columns took 33 us of
+# an H100 where XLA's fusion and f16_rows took 5 (benchmarks/RESULTS.md). Rows up to one chunk (an expert's 2048)
+# are where the one launch pays.
+MAX_WIDTH = CHUNK
+NUM_WARPS = 16
 
 
 def swiglu_rows(gate: jax.Array, up: jax.Array, interpret: bool = False) -> ScaledRows:

@@ -42,6 +42,7 @@ from specjax.kernels.moe_routing import router_logits, select_experts
 from specjax.kernels.moe_routing_reference import Routing, with_always_expert
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.projection_reference import rms_norm
+from specjax.kernels.swiglu_rows import MAX_WIDTH as SWIGLU_ROWS_MAX_WIDTH
 from specjax.kernels.swiglu_rows import swiglu_rows
 from specjax.models.fp8 import dequantize_stack, in_kernel, linear
 from specjax.parallel.mesh import Layout, current_layout
@@ -247,11 +248,13 @@ def swiglu_mlp(x: jax.Array, weights: Mapping[str, jax.Array], prefix: str,
 def swiglu_in_kernel(dtype, weights: Mapping[str, jax.Array], prefix: str, kernels: KernelPolicy | None,
                      groups: int) -> bool:
     """Whether an MLP's down (`{prefix}down`, a stack of `groups`) takes its rows from the SwiGLU rows kernel
-    (kernels/swiglu_rows.py): FP8 gate, up and down in the grouped kernel, meeting bf16 rows as float16."""
+    (kernels/swiglu_rows.py): FP8 gate, up and down in the grouped kernel, meeting bf16 rows as float16, rows of
+    up to swiglu_rows.MAX_WIDTH."""
     names = [prefix + name for name in ("gate", "up", "down")]
     down = weights[names[-1]]
     down = down[0] if isinstance(down, tuple) else down   # routed and shared stacks joined: alike
-    return (kernels is not None and kernels.swiglu_rows_kernel and all(name + "_scale" in weights for name in names)
+    return (kernels is not None and kernels.swiglu_rows_kernel and down.shape[-2] <= SWIGLU_ROWS_MAX_WIDTH
+            and all(name + "_scale" in weights for name in names)
             and takes_f16_rows(dtype, down, kernels.fp8_activations)
             and kernels.use_grouped_matmul_kernel(fp8=True, rows=1, groups=groups))
 
