@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 LANES = (("bench_default_model", "bench_eagle", "bench_transformers", "bench_projection", "bench_deepseek",
           "bench_admission"),
          ("bench_engine", "bench_tp", "bench_attention", "bench_prefill", "bench_sampling", "bench_stream",
-          "bench_grouped_matmul", "bench_latent_attention", "bench_sweep", "bench_policy"))
+          "bench_grouped_matmul", "bench_latent_attention", "bench_sweep", "bench_policy", "bench_row_kernels"))
 SCRIPTS = sorted(name for lane in LANES for name in lane)
 REAL_MODEL = ("bench_default_model", "bench_eagle")
 # Scripts of the default model whose smoke runs check the script, not the model: the 4-layer chat model instead.
@@ -68,6 +68,7 @@ EXPECTED_ROWS = {
     "bench_grouped_matmul": {"bench_grouped_matmul": ("form", ["kernel", "xla gathered", "xla ragged_dot"] * 2),
                              "bench_grouped_matmul_sweep": ("f16_rows", [False, True] * 4)},
     "bench_latent_attention": {"bench_latent_attention": ("form", ["kernel", "xla"])},
+    "bench_row_kernels": {"bench_row_kernels": ("form", ["separate", "kernel"] * 3)},
     "bench_prefill": {"bench_prefill": ("shape", ["8b", "smollm2"]), "bench_prefill_model": ("tokens", [16, 32])},
 }
 
