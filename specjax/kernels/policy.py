@@ -75,7 +75,8 @@ class KernelPolicy:
     # four: kernels/latent_rows.py).
     latent_rows_kernel: bool = True
     # An MLP's gate and up partial sums and SwiGLU as its FP8 down's scaled float16 rows, in one launch where the
-    # MLP runs in the grouped kernel (XLA's fusion and f16_rows were two: kernels/swiglu_rows.py).
+    # MLP runs in the grouped kernel and its rows are narrow (an expert's; XLA's fusion and f16_rows were two:
+    # kernels/swiglu_rows.py).
     swiglu_rows_kernel: bool = True
 
     def __post_init__(self) -> None:

@@ -2,7 +2,8 @@
 added up, silu(gate) * up in fp32 rounded once to bf16 (as XLA's fusion of the bf16 ops computes it, but for the
 sigmoid, which is each compiler's own), and the result as the scaled float16 rows the grouped kernel takes against
 an FP8 stack (grouped_matmul_triton.f16_rows). XLA's fusion of the sums and SwiGLU and the rows' own kernel were
-two launches per MLP. A row's result depends on that row alone: a decode step and a verify pass round alike.
+two launches per MLP. A row is one program, so the kernel pays for narrow rows only (MAX_WIDTH). A row's result
+depends on that row alone: a decode step and a verify pass round alike.
 """
 from __future__ import annotations
 
