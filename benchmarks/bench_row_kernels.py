@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import print_table, write_json
-from benchmarks.device_trace import busy_ns, traced_kernels
+from benchmarks.device_trace import busy_ns, traced_calls
 from specjax.kernels import latent_rows, swiglu_rows
 from specjax.kernels.grouped_matmul_triton import f16_rows
 from specjax.kernels.projection_reference import rms_norm
@@ -32,20 +32,26 @@ MLPS = {"expert": (2, 9, 2048), "dense": (3, 1, 18432)}   # splits, rows per tok
 CALLS = 50
 
 
-def device_us(step, state: list, interpret: bool) -> tuple[float, float]:
-    """(device us, launches) per call of step(state[0], *state[1:]) -> new state[0], its first argument donated
-    (the cache is updated in place, as in the model): CALLS calls traced back to back."""
-    call = jax.jit(step, donate_argnums=(0,))
+def device_us(step, *args, interpret: bool) -> tuple[float, float]:
+    """(device us, launches) per call of step(*args) -> the next value of its first argument (donated and handed
+    on: the cache is updated in place, as in the model), CALLS calls traced back to back."""
     calls = 1 if interpret else CALLS
-    carry = [jnp.copy(state[0])]
-
-    def run():
-        for _ in range(calls):
-            carry[0] = call(carry[0], *state[1:])
-        return carry[0]
-
-    kernels = traced_kernels(run)
+    kernels = traced_calls(step, *args, calls=calls, threaded=True)
     return (busy_ns(kernels) / calls / 1e3, len(kernels) / calls) if kernels else (float("nan"), float("nan"))
+
+
+def separate_latent_rows(partials, q_norm, kv_norm, q_width: int, rotate, positions, cache, layer, start,
+                         interpret: bool = False):
+    """The launches the latent rows kernel replaces (the partials' sum, f16_rows' q rows, rms_norm's c_kv, the
+    model's own rotation of k_rope and mla.write_latent): (f16 rows, unscale, cache). positions [B, T]."""
+    batch, tokens = positions.shape
+    q_rank, rank = q_norm[0].shape[0], kv_norm[0].shape[0]
+    both = functools.reduce(jnp.add, list(partials)).astype(jnp.bfloat16)
+    values, unscale = f16_rows(both[:, :q_rank], interpret, q_norm)
+    c_kv = rms_norm(both[:, q_width:q_width + rank], *kv_norm).reshape(batch, tokens, rank)
+    k_rope = both[:, q_width + rank:]
+    k_rope = rotate(k_rope.reshape(batch, tokens, 1, k_rope.shape[-1]), positions)[:, :, 0]
+    return values, unscale, mla.write_latent(cache, layer, jnp.concatenate([c_kv, k_rope], axis=-1), start)
 
 
 def latent_case(B: int, warps: int | None, interpret: bool) -> dict:
@@ -64,16 +70,14 @@ def latent_case(B: int, warps: int | None, interpret: bool) -> dict:
         return cache.at[0, 0, 0, 0].add(rows.values[0, 0] * rows.unscale[0])
 
     def separate(cache, partials, rotation, start):
-        both = functools.reduce(jnp.add, list(partials)).astype(jnp.bfloat16)
-        values, unscale = f16_rows(both[:, :Q_RANK], interpret, q_norm)
-        c_kv = rms_norm(both[:, Q_WIDTH:Q_WIDTH + RANK], *kv_norm).reshape(B, 1, RANK)
-        k_rope = rotate(both[:, Q_WIDTH + RANK:].reshape(B, 1, 1, ROPE), start[:, None])[:, :, 0]
-        cache = mla.write_latent(cache, 1, jnp.concatenate([c_kv, k_rope], axis=-1), start)
+        values, unscale, cache = separate_latent_rows(partials, q_norm, kv_norm, Q_WIDTH, rotate, start[:, None],
+                                                      cache, 1, start, interpret)
         return cache.at[0, 0, 0, 0].add(values[0, 0] * unscale[0])
 
     if warps is not None:
         latent_rows.NUM_WARPS = warps
-    us, launches = device_us(separate if warps is None else kernel, [cache, partials, rotation, start], interpret)
+    us, launches = device_us(separate if warps is None else kernel, cache, partials, rotation, start,
+                             interpret=interpret)
     return dict(case="latent rows", batch=B, form="separate" if warps is None else "kernel", warps=warps,
                 device_us=us, launches=launches)
 
@@ -95,7 +99,7 @@ def swiglu_case(mlp: str, B: int, warps: int | None, interpret: bool) -> dict:
 
     if warps is not None:
         swiglu_rows.NUM_WARPS = warps
-    us, launches = device_us(separate if warps is None else kernel, [jnp.float32(0), gate, up], interpret)
+    us, launches = device_us(separate if warps is None else kernel, jnp.float32(0), gate, up, interpret=interpret)
     return dict(case=f"swiglu rows ({mlp})", batch=B, form="separate" if warps is None else "kernel", warps=warps,
                 device_us=us, launches=launches)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.profiler import ProfileData
 
 
@@ -57,11 +58,27 @@ def traced_kernels(run: Callable[[], object], keep_trace: Path | None = None) ->
     return sorted(kernels, key=lambda k: k.start_ns)
 
 
-def device_us_per_call(fn: Callable, *args, calls: int = 5) -> float:
+def traced_calls(fn: Callable, *args, calls: int = 5, threaded: bool = False) -> list[Kernel]:
+    """The kernels of `calls` calls of jit(fn)(*args) back to back (traced_kernels). threaded: fn returns the next
+    value of its first argument, which is donated and handed on call to call (a buffer updated in place, as
+    a cache is in the model, rather than copied by each call); the caller's own first argument is left as it is."""
+    call = jax.jit(fn, donate_argnums=(0,) if threaded else ())
+    first = [jnp.copy(args[0])] if threaded else None
+
+    def run():
+        if not threaded:
+            return [call(*args) for _ in range(calls)]
+        for _ in range(calls):
+            first[0] = call(first[0], *args[1:])
+        return first[0]
+
+    return traced_kernels(run)
+
+
+def device_us_per_call(fn: Callable, *args, calls: int = 5, threaded: bool = False) -> float:
     """Device time of one call of jit(fn)(*args): the kernels' busy time over `calls` traced calls back to
-    back, divided by `calls`; NaN when the trace holds no kernel (off GPUs)."""
-    call = jax.jit(fn)
-    kernels = traced_kernels(lambda: [call(*args) for _ in range(calls)])
+    back (traced_calls), divided by `calls`; NaN when the trace holds no kernel (off GPUs)."""
+    kernels = traced_calls(fn, *args, calls=calls, threaded=threaded)
     return busy_ns(kernels) / calls / 1e3 if kernels else float("nan")
 
 

@@ -1,34 +1,20 @@
-"""MLA's latent rows kernel (kernels/latent_rows.py), interpreted, against the launches it replaces: the partials'
-sum, f16_rows' q rows, rms_norm's c_kv, the model's own rotation of k_rope and mla.write_latent
-(tests/test_deepseek_row_kernels.py runs it in the model)."""
+"""MLA's latent rows kernel (kernels/latent_rows.py), interpreted, against the launches it replaces
+(benchmarks/bench_row_kernels.py `separate_latent_rows`, which the benchmark times it against;
+tests/test_deepseek_row_kernels.py runs it in the model)."""
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.kernels.grouped_matmul_triton import f16_rows
+from benchmarks.bench_row_kernels import separate_latent_rows
 from specjax.kernels.latent_rows import latent_rows
-from specjax.kernels.projection_reference import rms_norm
-from specjax.models import mla
 from specjax.models.rope import rotary, unit_rotation
 
 Q_WIDTH, Q_RANK, RANK, ROPE = 256, 200, 128, 64   # q_a's columns zero-padded to whole blocks, as in wqkv_a
 YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 1.0}
-
-
-def separate_launches(partials, q_norm, kv_norm, rotate, positions, cache, layer, start):
-    """What the layer computed before the kernel: (f16 rows, unscale, cache)."""
-    batch, tokens = positions.shape
-    both = functools.reduce(jnp.add, list(partials)).astype(jnp.bfloat16)
-    values, unscale = f16_rows(both[:, :Q_RANK], True, q_norm)
-    c_kv = rms_norm(both[:, Q_WIDTH:Q_WIDTH + RANK], *kv_norm).reshape(batch, tokens, RANK)
-    k_rope = rotate(both[:, Q_WIDTH + RANK:].reshape(batch, tokens, 1, ROPE), positions)[:, :, 0]
-    return values, unscale, mla.write_latent(cache, layer, jnp.concatenate([c_kv, k_rope], axis=-1), start)
 
 
 @pytest.mark.parametrize("batch, tokens, splits, interleaved, scaling", [
@@ -45,8 +31,8 @@ def test_the_kernel_is_the_separate_launches_bit_for_bit(batch, tokens, splits, 
     rotate = rotary(ROPE, 10000.0, scaling, interleaved=interleaved, max_position_embeddings=163840)
     layer = jnp.int32(1)
 
-    want_values, want_unscale, want_cache = separate_launches(partials, q_norm, kv_norm, rotate, positions, cache,
-                                                              layer, start)
+    want_values, want_unscale, want_cache = separate_latent_rows(partials, q_norm, kv_norm, Q_WIDTH, rotate,
+                                                                 positions, cache, layer, start, interpret=True)
     rotation = unit_rotation(rotate, positions, ROPE, interleaved)
     run = jax.jit(lambda p, qw, kvw, r, c, s: latent_rows(p, (qw, q_norm[1]), (kvw, kv_norm[1]), Q_WIDTH, r, c,
                                                           layer, s, interleaved=interleaved, interpret=True))

@@ -42,8 +42,7 @@ from specjax.kernels.moe_routing import router_logits, select_experts
 from specjax.kernels.moe_routing_reference import Routing, with_always_expert
 from specjax.kernels.policy import KernelPolicy
 from specjax.kernels.projection_reference import rms_norm
-from specjax.kernels.swiglu_rows import MAX_WIDTH as SWIGLU_ROWS_MAX_WIDTH
-from specjax.kernels.swiglu_rows import swiglu_rows
+from specjax.kernels.swiglu_rows import MAX_WIDTH as SWIGLU_ROWS_MAX_WIDTH, swiglu_rows
 from specjax.models.fp8 import dequantize_stack, in_kernel, linear
 from specjax.parallel.mesh import Layout, current_layout
 
