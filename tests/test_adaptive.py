@@ -143,6 +143,20 @@ def test_a_probe_verifies_a_set_number_of_drafts_and_weighs_as_a_segment(live, s
     assert float(adaptive.step_weight(segment)) == adaptive.EMA_WEIGHT
 
 
+
+@pytest.mark.parametrize("live, steps", [(1, adaptive.PROBE_MAX_STEPS), (128, 1)])
+def test_the_first_choice_is_a_probe(live, steps):
+    """A fresh loop runs the largest tier for a probe's steps, not a whole segment: at many rows one step measures
+    every position, and a calibration's forced tier still runs from the start."""
+    policy = SpeculationPolicy("auto", (0, 1, 2, 3))
+    choose = jax.jit(adaptive.choose_tier, static_argnums=2)
+    tier, segment, state = choose(adaptive.init_adapt(K, 8, adaptive.policy_inputs([1.0, 1.3, 1.5, 1.7])),
+                                  jnp.asarray(live), policy)
+    assert (int(tier), int(segment), int(state.probe_gap)) == (3, steps, 2 * PROBE_EVERY)
+    forced, segment, _ = choose(adaptive.init_adapt(K, 8, adaptive.policy_inputs([1.0] * 4, 1)), jnp.asarray(live),
+                                policy)
+    assert (int(forced), int(segment)) == (1, adaptive.SEGMENT)
+
 @pytest.mark.parametrize("gap, plain_run, steps", [(PROBE_EVERY, 0, PROBE_EVERY), (PROBE_MAX, 40, PROBE_MAX - 40),
                                                      (PROBE_MAX, PROBE_MAX - 3, adaptive.SEGMENT)])
 def test_a_plain_tier_chosen_on_its_merits_runs_until_the_next_probe(gap, plain_run, steps):

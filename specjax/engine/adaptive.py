@@ -65,7 +65,7 @@ class AdaptState:
     acceptance: jax.Array    # f32 [k_max]: running P(draft j accepted | drafts before j accepted)
     verdicts: jax.Array      # f32 [k_max]: verdicts recorded at each position, OPTIMISTIC_VERDICTS at the start
     support: jax.Array       # f32 [k_max]: verdicts each running rate rests on, older ones decayed as it weighs them
-    plain_run: jax.Array     # i32 []: plain (k = 0) iterations since the last speculative one
+    plain_run: jax.Array     # i32 []: plain (k = 0) iterations since the last speculative one; a probe's gap at first
     probe_gap: jax.Array     # i32 []: plain iterations in a row after which the largest tier runs again
     # i32 [S + 1, 2]: row i + 1 holds iteration i's k and live rows (row 0 unused), one array so that a step
     # writes once, at the loop's count after it: the count before it, read beside the count's in-place update,
@@ -89,10 +89,14 @@ def policy_inputs(step_costs, forced_tier: int = -1) -> PolicyInputs:
 
 
 def init_adapt(k_max: int, max_steps: int, inputs: PolicyInputs) -> AdaptState:
-    """Optimistic rates at first (every draft accepted), so the loop speculates and measures before it judges."""
+    """Optimistic rates at first (every draft accepted) and a probe due, so the loop speculates and measures
+    before it judges, for a probe's steps (one at many rows) rather than a segment's: where speculation loses, a
+    whole segment of the largest tier at the start was about half of what auto lost to plain decoding at 128 rows
+    (benchmarks/RESULTS.md, "The first choice a probe")."""
     return AdaptState(acceptance=jnp.ones((k_max,), jnp.float32),
                       verdicts=jnp.full((k_max,), OPTIMISTIC_VERDICTS, jnp.float32),
-                      support=jnp.full((k_max,), OPTIMISTIC_VERDICTS, jnp.float32), plain_run=jnp.zeros((), jnp.int32),
+                      support=jnp.full((k_max,), OPTIMISTIC_VERDICTS, jnp.float32),
+                      plain_run=jnp.asarray(PROBE_EVERY, jnp.int32),
                       probe_gap=jnp.asarray(PROBE_EVERY, jnp.int32), per_step=jnp.zeros((max_steps + 1, 2), jnp.int32),
                       inputs=inputs)
 
