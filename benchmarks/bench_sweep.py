@@ -10,7 +10,7 @@ synthetic_acceptance_length) so that the speed of each choice shows without a tr
 Target: the Llama-3.1-8B shape or the default model's (SmolLM2-135M), bf16. Drafter: the Llama-3.2-1B shape
 (8b only) or an EAGLE-3-shaped head for the target (one layer, three captured layers, a 32k draft vocabulary).
 Modes: "plain", "fixed" (every k from 1 to --k, or those --fixed names), "forced" (the adaptive loop held at each k
-from 1 to --k by a table, with auto's tiers: its machinery's cost per step), "auto" (k chosen each iteration between 0 and --k from
+from 0 to --k, or those --fixed names, by a table, with auto's tiers: its machinery's cost per step), "auto" (k chosen each iteration between 0 and --k from
 step times the engine measures on its first call). Each engine runs the requests untimed until its CUDA graph is
 recorded (compilation, calibration); then a slot count's engines are timed in --repeats rounds, one run each per
 round in alternating order, and each row gives the median (and every run); plain decoding once per slot count,
@@ -91,20 +91,21 @@ def drafter(kind: str, target_cfg, target_state, draft_cfg, smoke: bool) -> Draf
 def speculative_engines(modes: list[str], k_max: int, al: float, method: str, slots: int,
                         fixed: tuple[int, ...] | None = None) -> list[tuple[str, dict]]:
     """(name, speculative_config) of each speculative engine the modes ask for at acceptance length `al`
-    ("fixed": each k of `fixed`, by default every k from 1 to k_max).
-    "forced": the adaptive loop held at each k by a table, so that its machinery's cost shows apart from the
+    ("fixed": each k of `fixed` above 0, by default every k from 1 to k_max).
+    "forced": the adaptive loop held at each k of `fixed` (by default every k from 0 to k_max) by a table, k = 0
+    its plain tier, so that its machinery's cost shows apart from the
     policy's choices. Its first row covers every live count; rows beyond the slots (never matched) give it auto's
     tiers, so that it compiles auto's very loop and differs from it only in the choice."""
     def spec(k: int, policy: str, **extra) -> dict:
         return {"method": method, "model": "random", "num_speculative_tokens": k, "speculation_policy": policy,
                 "rejection_sample_method": "synthetic", "synthetic_acceptance_length": min(al, k + 1), **extra}
-    fixed = range(1, k_max + 1) if fixed is None else fixed
-    out = [(f"k={k}", spec(k, "fixed")) for k in fixed] if "fixed" in modes else []
+    held = range(k_max + 1) if fixed is None else fixed
+    out = [(f"k={k}", spec(k, "fixed")) for k in held if k > 0] if "fixed" in modes else []
     if "forced" in modes:
         unmatched = [[slots + 1 + i, slots + 1 + i, t] for i, t in enumerate(auto_tiers(k_max)) if 0 < t < k_max]
         out += [(f"k={k} forced", spec(k_max, "table",
                                        num_speculative_tokens_per_batch_size=[[1, slots, k]] + unmatched))
-                for k in range(1, k_max + 1)]
+                for k in held]
     if "auto" in modes:
         out.append((f"auto k<={k_max}", spec(k_max, "auto")))
     return out
@@ -259,7 +260,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-tokens", default="32:512", help="LOW:HIGH, each request's drawn uniformly")
     parser.add_argument("--slots", default="8,32,128,256")
     parser.add_argument("--k", type=int, default=3, help="the largest k (fixed runs each k from 1)")
-    parser.add_argument("--fixed", default=None, help="K1,K2,...: the fixed k to run (default: each k from 1 to --k)")
+    parser.add_argument("--fixed", default=None, help="K1,K2,...: the fixed (and forced) k to run (default: each k from 1, forced from 0, to --k)")
     parser.add_argument("--modes", default="plain,fixed,auto")
     parser.add_argument("--runners", default="admission,waves")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds over a slot count's engines")
@@ -283,8 +284,8 @@ def main(argv=None) -> None:
           f"{sum(r.params.max_tokens for r in reqs)} tokens{limit}", flush=True)
     modes, runners = args.modes.split(","), args.runners.split(",")
     fixed = None if args.fixed is None else tuple(int(k) for k in args.fixed.split(","))
-    if fixed is not None and not all(1 <= k <= args.k for k in fixed):
-        parser.error(f"--fixed {args.fixed}: each k must be in 1..--k ({args.k})")
+    if fixed is not None and not all(0 <= k <= args.k for k in fixed):
+        parser.error(f"--fixed {args.fixed}: each k must be in 0..--k ({args.k}; 0 for the forced engines)")
     sweep = Sweep(target_cfg, graph, state, draft, reqs, args.per_slot, args.shape, args.k, runners, args.profile,
                   args.deadline)
     for slots in (int(s) for s in args.slots.split(",")):

@@ -203,6 +203,8 @@ def test_the_sweeps_fixed_engines_are_each_k_or_those_named():
     assert names == ["k=1", "k=2", "k=3", "auto k<=3"]
     named = speculative_engines(["fixed", "auto"], 3, 1.2, "ngram", 8, fixed=(2,))
     assert [(name, spec["num_speculative_tokens"]) for name, spec in named] == [("k=2", 2), ("auto k<=3", 3)]
+    held = speculative_engines(["fixed", "forced"], 3, 1.2, "ngram", 8, fixed=(0, 1))
+    assert [name for name, _ in held] == ["k=1", "k=0 forced", "k=1 forced"]   # k = 0 only as auto's plain tier
 
 
 @pytest.mark.parametrize("k_max", [3, 5])
