@@ -62,7 +62,7 @@ EXPECTED_ROWS = {
                        "bench_deepseek_mtp": ("al", [1.5]),
                        "bench_deepseek_v2_transformers": ("engine", ["transformers generate"])},
     "bench_stream": {"bench_stream": ("mode", ["generate", "generate_stream"])},
-    "bench_sweep": {"bench_sweep": ("engine", ["plain", "k=1 forced", "k=2 forced", "auto k<=2"])},
+    "bench_sweep": {"bench_sweep": ("engine", ["plain", "k=0 forced", "k=1 forced", "k=2 forced", "auto k<=2"])},
     "bench_policy": {"bench_policy": ("case", ["AL 1.1", "AL 1.15", "AL 1.2", "AL 1.5", "AL 2.0", "AL 3.0",
                                               "geometric 0.6"])},
     "bench_grouped_matmul": {"bench_grouped_matmul": ("form", ["kernel", "xla gathered", "xla ragged_dot"] * 2),

@@ -10,11 +10,14 @@ cost as much as live ones in a compiled batch, so the step times are per compile
 enters through the statistics.
 The choice is one k for every row: a tier's verify pass is one static width for the whole batch, so a row that
 drafted fewer tokens than its tier would save no work, only lose the chance of its drafts being accepted.
-A tier not run stops updating its positions' rates, so after `probe_gap` plain steps in a row the loop runs
-the largest tier to look again. The gap starts at PROBE_EVERY and doubles after each probe up to PROBE_MAX, and a
-speculative tier chosen on its merits sets it back. A probe runs until about PROBE_SAMPLES first drafts were
-verified (PROBE_MAX_STEPS for a few rows, one step for many) and moves the running rates as far as a segment's
-steps would: where speculation keeps losing, many rows pay a losing step per probe rather than a losing segment.
+A tier not run stops updating its positions' rates, so after `probe_gap` plain steps in a row the loop probes:
+it runs the speculative tier that would win at rates PLAIN_MARGIN_SE standard errors up (the largest while
+positions have no verdicts behind them, as at the start; k = 1 where later drafts are known to fail), the cheapest
+step that could show speculation winning. The gap starts at PROBE_EVERY and doubles after each probe up to
+PROBE_MAX, and a speculative tier chosen on its merits sets it back. A probe runs until about PROBE_SAMPLES first
+drafts were verified (PROBE_MAX_STEPS for a few rows, one step for many) and moves the running rates as far as a
+segment's steps would: where speculation keeps losing, many rows pay a losing step per probe rather than a losing
+segment.
 """
 from __future__ import annotations
 
@@ -117,7 +120,7 @@ def choose_tier(adapt: AdaptState, live: jax.Array,
         chosen = _table_k(live, policy)
         tier = jnp.argmax(jnp.asarray(tiers) == chosen).astype(jnp.int32)
     else:
-        tier, speculation_wins = _best_tier(adapt, tiers)
+        tier, speculation_wins, probe_tier = _best_tier(adapt, tiers)
         probing = (adapt.plain_run >= adapt.probe_gap) & (adapt.inputs.forced_tier < 0)
         gap = jnp.where(probing, jnp.minimum(2 * adapt.probe_gap, PROBE_MAX),
                         jnp.where(speculation_wins, PROBE_EVERY, adapt.probe_gap))
@@ -127,7 +130,7 @@ def choose_tier(adapt: AdaptState, live: jax.Array,
         until_probe = jnp.maximum(adapt.probe_gap - adapt.plain_run, SEGMENT)
         plain = (jnp.asarray(tiers)[tier] == 0) & (adapt.inputs.forced_tier < 0)
         steps = jnp.where(probing, probe_steps, jnp.where(plain, until_probe, steps)).astype(jnp.int32)
-        tier = jnp.where(probing, len(tiers) - 1, tier)
+        tier = jnp.where(probing, probe_tier, tier)
         adapt = dataclasses.replace(adapt, probe_gap=gap.astype(jnp.int32))
     forced = adapt.inputs.forced_tier
     # Calibration times a forced plain tier as a plain choice runs, in segments until the next probe (PROBE_EVERY
@@ -138,20 +141,22 @@ def choose_tier(adapt: AdaptState, live: jax.Array,
     return jnp.where(forced >= 0, forced, tier), steps, adapt
 
 
-def _best_tier(adapt: AdaptState, tiers: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+def _best_tier(adapt: AdaptState, tiers: tuple[int, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The index of the tier with the most expected tokens per step time, but plain only where it also beats every
-    speculative tier at rates PLAIN_MARGIN_SE standard errors up (else the best speculative tier); and whether a
+    speculative tier at rates PLAIN_MARGIN_SE standard errors up (else the best speculative tier); whether a
     speculative tier won on the running rates themselves (only that sets the probes' gap back: one kept on the
-    benefit of the doubt would bring probes every PROBE_EVERY steps where speculation loses)."""
+    benefit of the doubt would bring probes every PROBE_EVERY steps where speculation loses); and the index of the
+    tier a probe runs, the best speculative one at those raised rates."""
     costs = adapt.inputs.step_costs
     score = expected_tokens(adapt.acceptance, tiers) / costs
     best = jnp.argmax(score).astype(jnp.int32)
     wins = jnp.asarray(tiers)[best] > 0
     if tiers[0] != 0:
-        return best, wins
+        return best, wins, jnp.asarray(len(tiers) - 1, jnp.int32)
     hopeful = expected_tokens(upper_rates(adapt.acceptance, adapt.support, PLAIN_MARGIN_SE), tiers) / costs
-    speculation_may_win = jnp.max(hopeful[1:]) > score[0]
-    return jnp.where((best == 0) & speculation_may_win, jnp.argmax(score[1:]) + 1, best).astype(jnp.int32), wins
+    probe = (jnp.argmax(hopeful[1:]) + 1).astype(jnp.int32)
+    speculation_may_win = hopeful[probe] > score[0]
+    return jnp.where((best == 0) & speculation_may_win, jnp.argmax(score[1:]) + 1, best).astype(jnp.int32), wins, probe
 
 
 def upper_rates(rate: jax.Array, support: jax.Array, z: float) -> jax.Array:
