@@ -69,7 +69,7 @@ class AdaptState:
     verdicts: jax.Array      # f32 [k_max]: verdicts recorded at each position, OPTIMISTIC_VERDICTS at the start
     support: jax.Array       # f32 [k_max]: verdicts each running rate rests on, older ones decayed as it weighs them
     plain_run: jax.Array     # i32 []: plain (k = 0) iterations since the last speculative one; a probe's gap at first
-    probe_gap: jax.Array     # i32 []: plain iterations in a row after which the largest tier runs again
+    probe_gap: jax.Array     # i32 []: plain iterations in a row after which a probe runs
     # i32 [S + 1, 2]: row i + 1 holds iteration i's k and live rows (row 0 unused), one array so that a step
     # writes once, at the loop's count after it: the count before it, read beside the count's in-place update,
     # made XLA copy it every step.
