@@ -10,14 +10,14 @@ synthetic_acceptance_length) so that the speed of each choice shows without a tr
 Target: the Llama-3.1-8B shape or the default model's (SmolLM2-135M), bf16. Drafter: the Llama-3.2-1B shape
 (8b only) or an EAGLE-3-shaped head for the target (one layer, three captured layers, a 32k draft vocabulary).
 Modes: "plain", "fixed" (every k from 1 to --k, or those --fixed names), "forced" (the adaptive loop held at each k
-from 0 to --k, or those --fixed names, by a table, with auto's tiers: its machinery's cost per step), "auto" (k chosen each iteration between 0 and --k from
-step times the engine measures on its first call). Each engine runs the requests untimed until its CUDA graph is
-recorded (compilation, calibration); then a slot count's engines are timed in --repeats rounds, one run each per
-round in alternating order, and each row gives the median (and every run); plain decoding once per slot count,
-whatever the acceptance lengths. Prints a table (tokens/s, against plain and against the best fixed k, slot
-occupancy, iterations at each k, the step times auto weighed its tiers by) and writes $OUT/bench_sweep.json after
-each round. Synthetic acceptance takes drafts whether or not the target agrees, so the tokens are not plain
-decoding's: this measures speed only.
+from 0 to --k, or those --fixed names, by a table, with auto's tiers: its machinery's cost per step), "auto" (k
+chosen each iteration between 0 and --k from step times the engine measures on its first call). Each engine runs
+the requests untimed until its CUDA graph is recorded (compilation, calibration); then a slot count's engines are
+timed in --repeats rounds, one run each per round in alternating order, and each row gives the median (and every
+run); plain decoding once per slot count, whatever the acceptance lengths. Prints a table (tokens/s, against plain
+and against the best fixed k, slot occupancy, iterations at each k, the step times auto weighed its tiers by) and
+writes $OUT/bench_sweep.json after each round. Synthetic acceptance takes drafts whether or not the target agrees,
+so the tokens are not plain decoding's: this measures speed only.
 `--per-slot N` runs the first min(num, N x slots) requests at each slot count, so that small slot counts take
 about as long as large ones (one slot would take 512 requests one at a time). Engines that differ only in their
 acceptance rate run the same programs: the process's compilation cache (common.reuse_compilations) loads them.
@@ -260,7 +260,8 @@ def main(argv=None) -> None:
     parser.add_argument("--max-tokens", default="32:512", help="LOW:HIGH, each request's drawn uniformly")
     parser.add_argument("--slots", default="8,32,128,256")
     parser.add_argument("--k", type=int, default=3, help="the largest k (fixed runs each k from 1)")
-    parser.add_argument("--fixed", default=None, help="K1,K2,...: the fixed (and forced) k to run (default: each k from 1, forced from 0, to --k)")
+    parser.add_argument("--fixed", default=None,
+                        help="K1,K2,...: the fixed (and forced) k to run (default: from 1, forced from 0, to --k)")
     parser.add_argument("--modes", default="plain,fixed,auto")
     parser.add_argument("--runners", default="admission,waves")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds over a slot count's engines")

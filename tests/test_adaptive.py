@@ -144,7 +144,6 @@ def test_a_probe_verifies_a_set_number_of_drafts_and_weighs_as_a_segment(live, s
     assert float(adaptive.step_weight(segment)) == adaptive.EMA_WEIGHT
 
 
-
 def test_a_probe_runs_the_tier_that_could_win():
     """A probe runs the speculative tier with the most tokens per step time at rates PLAIN_MARGIN_SE standard
     errors up: k = 1 where the drafts after the first are known to fail (its step the cheapest), the largest where
@@ -156,7 +155,8 @@ def test_a_probe_runs_the_tier_that_could_win():
     unknown = adaptive.dataclasses.replace(known, acceptance=jnp.asarray([0.2, 1.0, 1.0], jnp.float32),
                                            support=jnp.asarray([1e6, 1.0, 1.0], jnp.float32))
     assert _choose(unknown, 4, policy) == 3
-    assert _choose(adaptive.dataclasses.replace(unknown, plain_run=jnp.asarray(0, jnp.int32)), 4, policy) == 0   # plain wins
+    no_probe = adaptive.dataclasses.replace(unknown, plain_run=jnp.asarray(0, jnp.int32))
+    assert _choose(no_probe, 4, policy) == 0   # plain wins on the rates themselves
 
 
 @pytest.mark.parametrize("live, steps", [(1, adaptive.PROBE_MAX_STEPS), (128, 1)])
@@ -171,6 +171,7 @@ def test_the_first_choice_is_a_probe(live, steps):
     forced, segment, _ = choose(adaptive.init_adapt(K, 8, adaptive.policy_inputs([1.0] * 4, 1)), jnp.asarray(live),
                                 policy)
     assert (int(forced), int(segment)) == (1, adaptive.SEGMENT)
+
 
 @pytest.mark.parametrize("gap, plain_run, steps", [(PROBE_EVERY, 0, PROBE_EVERY), (PROBE_MAX, 40, PROBE_MAX - 40),
                                                      (PROBE_MAX, PROBE_MAX - 3, adaptive.SEGMENT)])
