@@ -3,7 +3,7 @@ Bernoulli acceptance at given conditional rates and per-tier step times, so that
 best fixed k shows apart from what the GPU does (issue 26).
 
     PYTHONPATH=. python benchmarks/bench_policy.py [--costs 0.899,0.971,1.027,1.120] [--rows 1,2,4,8,32]
-        [--steps 2000] [--calls 1] [--fresh-calls] [--seeds 3] [--switch 32,128,512] [--full-step-rows N]
+        [--steps 2000] [--calls 1] [--seeds 3] [--switch 32,128,512] [--full-step-rows N]
         [--optimistic-verdicts V] [--plain-margin-se Z] [--smoke]
 
 Every row is live for the whole run and has room for every draft. Stationary cases: the synthetic acceptance
@@ -11,8 +11,7 @@ lengths of bench_sweep.py (vLLM's schedule: AL 1.2 = rates 0.2, 0, 0; AL 1.1 and
 at the default step times) and a geometric 0.6. `--switch P`: the
 rates alternate every P steps between 0.9 at every position and 0.1 then 0 (a drafter that is right, then
 wrong), against the best single fixed k and against the oracle that takes each phase's best k.
-`--calls N`: N calls of `--steps` steps each, every call after the first starting from the last one's
-PolicyMemory as the runner hands it on (`--fresh-calls`: each from the optimistic start, as before it did).
+`--calls N`: N calls of `--steps` steps each, each from the optimistic start (as an engine's calls run).
 `--full-step-rows N` / `--optimistic-verdicts V` override adaptive.FULL_STEP_ROWS / OPTIMISTIC_VERDICTS (1 and
 1e9: every step weighs alike from the start, the rule before either existed); `--plain-margin-se Z`
 adaptive.PLAIN_MARGIN_SE (0: plain on the running rates alone, the rule before it).
@@ -43,20 +42,18 @@ def tokens_per_step(rates) -> np.ndarray:
     return np.asarray(adaptive.expected_tokens(jnp.asarray(rates, jnp.float32), TIERS))
 
 
-def simulate(rows: int, phases: list, period: int, costs: np.ndarray, steps: int, seed: int, calls: int = 1,
-             fresh_calls: bool = False):
-    """Tokens per unit time of auto over `calls` calls of `steps` steps (rates phases[(step // period) % len]),
-    each after the first starting from the memory the last one ended with (fresh_calls: from the optimistic
-    start), and steps per k."""
+def simulate(rows: int, phases: list, period: int, costs: np.ndarray, steps: int, seed: int, calls: int = 1):
+    """Tokens per unit time of auto over `calls` calls of `steps` steps, each from the optimistic start (rates
+    phases[(step // period) % len], the step counted over the whole run), and steps per k."""
     policy = SpeculationPolicy("auto", TIERS)
     choose = jax.jit(adaptive.choose_tier, static_argnums=2)
     record = jax.jit(adaptive.record, static_argnums=2)
     rng = np.random.default_rng(seed)
     tokens = seconds = 0.0
     ran = np.zeros(len(TIERS), int)
-    done, memory = 0, None
+    done = 0
     for call in range(calls):
-        state = adaptive.init_adapt(TIERS[-1], 1, adaptive.policy_inputs(costs, start=None if fresh_calls else memory))
+        state = adaptive.init_adapt(TIERS[-1], 1, adaptive.policy_inputs(costs))
         end = (call + 1) * steps
         while done < end:
             tier, segment, state = choose(state, jnp.asarray(rows), policy)
@@ -70,7 +67,6 @@ def simulate(rows: int, phases: list, period: int, costs: np.ndarray, steps: int
                                jnp.asarray(accepted, jnp.int32), jnp.ones((rows,), bool), segment)
                 ran[k] += 1
                 done += 1
-        memory = state.memory
     return tokens / seconds, ran
 
 
@@ -80,7 +76,6 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", default="1,2,4,8,32")
     parser.add_argument("--steps", type=int, default=2000, help="steps per call")
     parser.add_argument("--calls", type=int, default=1)
-    parser.add_argument("--fresh-calls", action="store_true", help="each call from the optimistic start")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--switch", default=None, help="periods (steps) of right / wrong drafting phases")
     parser.add_argument("--full-step-rows", type=int, default=None)
@@ -105,16 +100,14 @@ def main(argv=None) -> None:
         cases = [(name, [rates], args.steps) for name, rates in STATIONARY.items()]
     print(f"FULL_STEP_ROWS {adaptive.FULL_STEP_ROWS}, OPTIMISTIC_VERDICTS {adaptive.OPTIMISTIC_VERDICTS}, "
           f"PLAIN_MARGIN_SE {adaptive.PLAIN_MARGIN_SE}, "
-          f"step times {args.costs} for k = {TIERS}, {args.calls} call(s) of {args.steps} steps"
-          f"{' each from the optimistic start' if args.fresh_calls else ''}")
+          f"step times {args.costs} for k = {TIERS}, {args.calls} call(s) of {args.steps} steps")
     table = []
     for rows in (int(r) for r in args.rows.split(",")):
         for name, phases, period in cases:
             per_phase = rows * np.stack([tokens_per_step(p) for p in phases]) / costs   # [phases, tiers]
             best = per_phase.mean(0).max()   # one fixed k over the phases (equal steps each)
             oracle = per_phase.max(1).mean()
-            runs = [simulate(rows, phases, period, costs, args.steps, seed, args.calls, args.fresh_calls)
-                    for seed in range(args.seeds)]
+            runs = [simulate(rows, phases, period, costs, args.steps, seed, args.calls) for seed in range(args.seeds)]
             ratio = [r / best for r, _ in runs]
             line = (f"rows {rows:3d}  {name:16s} auto / best fixed {np.mean(ratio):.3f} "
                     f"({min(ratio):.3f}-{max(ratio):.3f})")
@@ -124,7 +117,6 @@ def main(argv=None) -> None:
             table.append(dict(rows=rows, case=name, full_step_rows=adaptive.FULL_STEP_ROWS,
                               optimistic_verdicts=adaptive.OPTIMISTIC_VERDICTS,
                               plain_margin_se=adaptive.PLAIN_MARGIN_SE, steps=args.steps, calls=args.calls,
-                              fresh_calls=args.fresh_calls,
                               over_best_fixed=round(float(np.mean(ratio)), 4),
                               over_oracle=round(float(np.mean([r for r, _ in runs]) / oracle), 4),
                               steps_per_k=runs[0][1].tolist()))

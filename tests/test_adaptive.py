@@ -78,14 +78,10 @@ def _adapt(acceptance, costs, plain_run=0, forced=-1, verdicts=1e6):
     """A state at these running rates, with `verdicts` behind each (many by default: the running weight's), all of
     them its support."""
     state = adaptive.init_adapt(K, 8, adaptive.policy_inputs(costs, forced))
-    return _remembering(state, acceptance=jnp.asarray(acceptance, jnp.float32),
-                        verdicts=jnp.full((K,), verdicts, jnp.float32), support=jnp.full((K,), verdicts, jnp.float32),
-                        plain_run=jnp.asarray(plain_run, jnp.int32))
-
-
-def _remembering(state, **memory):
-    """The state with these PolicyMemory fields replaced."""
-    return adaptive.dataclasses.replace(state, memory=adaptive.dataclasses.replace(state.memory, **memory))
+    return adaptive.dataclasses.replace(state, acceptance=jnp.asarray(acceptance, jnp.float32),
+                                        verdicts=jnp.full((K,), verdicts, jnp.float32),
+                                        support=jnp.full((K,), verdicts, jnp.float32),
+                                        plain_run=jnp.asarray(plain_run, jnp.int32))
 
 
 def _choose(adapt, live, policy) -> int:
@@ -112,16 +108,17 @@ def test_probes_back_off_while_speculation_loses_and_come_back_when_it_wins():
     choose = jax.jit(adaptive.choose_tier, static_argnums=2)
     state, gaps = _adapt([0.1] * 3, costs), []
     for _ in range(6):   # each probe loses: the plain run that triggers the next one doubles, up to PROBE_MAX
-        state = _remembering(state, plain_run=state.memory.probe_gap)
+        state = adaptive.dataclasses.replace(state, plain_run=state.probe_gap)
         tier, _, state = choose(state, 4, policy)
         assert int(tier) == 1
-        gaps.append(int(state.memory.probe_gap))
-        tier, _, state = choose(_remembering(state, plain_run=jnp.asarray(0, jnp.int32)), 4, policy)
-        assert int(tier) == 0 and int(state.memory.probe_gap) == gaps[-1]
+        gaps.append(int(state.probe_gap))
+        tier, _, state = choose(adaptive.dataclasses.replace(state, plain_run=jnp.asarray(0, jnp.int32)), 4, policy)
+        assert int(tier) == 0 and int(state.probe_gap) == gaps[-1]
     assert gaps == [min(PROBE_EVERY * 2 ** i, PROBE_MAX) for i in range(1, 7)]
     assert gaps[-1] == PROBE_MAX
-    tier, _, state = choose(_remembering(state, acceptance=jnp.full((3,), 0.9, jnp.float32)), 4, policy)
-    assert int(tier) == 3 and int(state.memory.probe_gap) == PROBE_EVERY   # speculation won on its merits
+    tier, _, state = choose(adaptive.dataclasses.replace(state, acceptance=jnp.full((3,), 0.9, jnp.float32)), 4,
+                            policy)
+    assert int(tier) == 3 and int(state.probe_gap) == PROBE_EVERY   # speculation won on its merits
 
 
 @pytest.mark.parametrize("live, steps", [(1, adaptive.PROBE_MAX_STEPS), (4, adaptive.PROBE_MAX_STEPS), (8, 4),
@@ -141,7 +138,7 @@ def test_a_probe_verifies_a_set_number_of_drafts_and_weighs_as_a_segment(live, s
     for step in range(adaptive.SEGMENT):
         ordinary = adaptive.record(ordinary, jnp.asarray(step + 1), 3, jnp.asarray(live),
                                    jnp.full((live,), 3), jnp.full((live,), 3), jnp.ones((live,), bool))
-    np.testing.assert_allclose(probed.memory.acceptance, ordinary.memory.acceptance, rtol=1e-5)
+    np.testing.assert_allclose(probed.acceptance, ordinary.acceptance, rtol=1e-5)
     tier, segment, _ = adaptive.choose_tier(probed, jnp.asarray(live), policy)   # drafts won: a speculative tier,
     assert (int(tier) > 0 if live == 1 else int(tier) == 3) and int(segment) == adaptive.SEGMENT   # one row's less
     assert float(adaptive.step_weight(segment)) == adaptive.EMA_WEIGHT
@@ -155,10 +152,10 @@ def test_a_probe_runs_the_tier_that_could_win():
     costs = [1.0, 1.3, 1.5, 1.7]
     known = _adapt([0.2, 0.0, 0.0], costs, plain_run=PROBE_EVERY)
     assert _choose(known, 4, policy) == 1
-    unknown = _remembering(known, acceptance=jnp.asarray([0.2, 1.0, 1.0], jnp.float32),
-                           support=jnp.asarray([1e6, 1.0, 1.0], jnp.float32))
+    unknown = adaptive.dataclasses.replace(known, acceptance=jnp.asarray([0.2, 1.0, 1.0], jnp.float32),
+                                           support=jnp.asarray([1e6, 1.0, 1.0], jnp.float32))
     assert _choose(unknown, 4, policy) == 3
-    no_probe = _remembering(unknown, plain_run=jnp.asarray(0, jnp.int32))
+    no_probe = adaptive.dataclasses.replace(unknown, plain_run=jnp.asarray(0, jnp.int32))
     assert _choose(no_probe, 4, policy) == 0   # plain wins on the rates themselves
 
 
@@ -170,7 +167,7 @@ def test_the_first_choice_is_a_probe(live, steps):
     choose = jax.jit(adaptive.choose_tier, static_argnums=2)
     tier, segment, state = choose(adaptive.init_adapt(K, 8, adaptive.policy_inputs([1.0, 1.3, 1.5, 1.7])),
                                   jnp.asarray(live), policy)
-    assert (int(tier), int(segment), int(state.memory.probe_gap)) == (3, steps, 2 * PROBE_EVERY)
+    assert (int(tier), int(segment), int(state.probe_gap)) == (3, steps, 2 * PROBE_EVERY)
     forced, segment, _ = choose(adaptive.init_adapt(K, 8, adaptive.policy_inputs([1.0] * 4, 1)), jnp.asarray(live),
                                 policy)
     assert (int(forced), int(segment)) == (1, adaptive.SEGMENT)
@@ -185,9 +182,10 @@ def test_a_plain_tier_chosen_on_its_merits_runs_until_the_next_probe(gap, plain_
     policy = SpeculationPolicy("auto", (0, 1, 2, 3))
     costs = [1.0, 1.3, 1.5, 1.7]
     choose = jax.jit(adaptive.choose_tier, static_argnums=2)
-    state = _remembering(_adapt([0.1] * 3, costs, plain_run=plain_run), probe_gap=jnp.asarray(gap, jnp.int32))
+    state = adaptive.dataclasses.replace(_adapt([0.1] * 3, costs, plain_run=plain_run),
+                                         probe_gap=jnp.asarray(gap, jnp.int32))
     tier, segment, state = choose(state, 4, policy)
-    assert (int(tier), int(segment), int(state.memory.probe_gap)) == (0, steps, gap)
+    assert (int(tier), int(segment), int(state.probe_gap)) == (0, steps, gap)
     for step in range(int(segment)):
         state = adaptive.record(state, jnp.asarray(step + 1), 0, jnp.asarray(4), jnp.zeros((4,), jnp.int32),
                                 jnp.zeros((4,), jnp.int32), jnp.ones((4,), bool))
@@ -200,12 +198,12 @@ def test_a_plain_step_records_its_k_and_rows_and_no_verdicts():
     state = _adapt([0.4] * 3, [1.0] * 4, verdicts=5.0)
     after = adaptive.record(state, jnp.asarray(3), 0, jnp.asarray(3), jnp.zeros((4,), jnp.int32),
                             jnp.zeros((4,), jnp.int32), jnp.asarray([True, True, True, False]))
-    np.testing.assert_array_equal(after.memory.acceptance, state.memory.acceptance)
-    np.testing.assert_array_equal(after.memory.verdicts, state.memory.verdicts)
-    assert int(after.memory.plain_run) == 1 and after.live_per_step[2] == 3 and after.k_per_step[2] == 0
+    np.testing.assert_array_equal(after.acceptance, state.acceptance)
+    np.testing.assert_array_equal(after.verdicts, state.verdicts)
+    assert int(after.plain_run) == 1 and after.live_per_step[2] == 3 and after.k_per_step[2] == 0
     drafted = adaptive.record(after, jnp.asarray(4), 2, jnp.asarray(3), jnp.full((4,), 2), jnp.ones((4,), jnp.int32),
                               jnp.asarray([True, True, True, False]))
-    assert int(drafted.memory.plain_run) == 0 and drafted.k_per_step[:4].tolist() == [0, 0, 0, 2]
+    assert int(drafted.plain_run) == 0 and drafted.k_per_step[:4].tolist() == [0, 0, 0, 2]
 
 
 def test_the_table_follows_the_live_rows():
@@ -249,7 +247,7 @@ def test_running_acceptance_is_conditional_on_the_earlier_drafts():
                             jnp.asarray([1, 3, 0, 3]), jnp.asarray([True, True, True, False]))
     rates = np.asarray([2 / 3, 1 / 2, 1.0])   # position 0: 2 of 3, 1: 1 of 2 reached, 2: 1 of 1
     kept = (1 - adaptive.EMA_WEIGHT) ** (np.asarray([3, 2, 1]) / adaptive.FULL_STEP_ROWS)   # fewer rows, less weight
-    np.testing.assert_allclose(state.memory.acceptance, kept + (1 - kept) * rates, rtol=1e-6)
+    np.testing.assert_allclose(state.acceptance, kept + (1 - kept) * rates, rtol=1e-6)
     assert state.k_per_step.tolist()[:2] == [3, 0] and state.live_per_step.tolist()[0] == 3
 
 
@@ -267,8 +265,8 @@ def test_a_rows_verdict_weighs_the_same_in_one_step_or_spread_over_several():
         spread = step(spread, 1)
     whole = [0.5 + adaptive.EMA_WEIGHT * 0.5, 0.5 - adaptive.EMA_WEIGHT * 0.5, 0.5]   # position 2 never reached
     for s in (spread, step(state, adaptive.FULL_STEP_ROWS), step(state, 2 * adaptive.FULL_STEP_ROWS)):
-        np.testing.assert_allclose(s.memory.acceptance, whole, rtol=1e-5)
-    assert 0.5 < float(step(state, 1).memory.acceptance[0]) < whole[0]
+        np.testing.assert_allclose(s.acceptance, whole, rtol=1e-5)
+    assert 0.5 < float(step(state, 1).acceptance[0]) < whole[0]
 
 
 @pytest.mark.parametrize("rows", [1, 8])
@@ -281,9 +279,8 @@ def test_the_first_verdicts_replace_the_optimistic_start_as_an_average(rows):
         state = adaptive.record(state, jnp.asarray(1), 3, jnp.asarray(rows), jnp.full((rows,), 3),
                                 jnp.zeros((rows,), jnp.int32), jnp.ones((rows,), bool))
     average = adaptive.OPTIMISTIC_VERDICTS / (adaptive.OPTIMISTIC_VERDICTS + 8)
-    np.testing.assert_allclose(state.memory.acceptance, [average, 1.0, 1.0], rtol=1e-6)
-    np.testing.assert_allclose(state.memory.verdicts,
-                               [adaptive.OPTIMISTIC_VERDICTS + 8] + [adaptive.OPTIMISTIC_VERDICTS] * 2)
+    np.testing.assert_allclose(state.acceptance, [average, 1.0, 1.0], rtol=1e-6)
+    np.testing.assert_allclose(state.verdicts, [adaptive.OPTIMISTIC_VERDICTS + 8] + [adaptive.OPTIMISTIC_VERDICTS] * 2)
 
 
 def test_plain_must_win_beyond_the_rates_noise():
@@ -310,7 +307,7 @@ def test_a_rates_support_decays_as_the_rate_weighs_its_verdicts():
     state = _adapt([0.5] * 3, [1.0] * 4, verdicts=100.0)
     after = adaptive.record(state, jnp.asarray(1), 3, jnp.asarray(8), jnp.full((8,), 3), jnp.zeros((8,), jnp.int32),
                             jnp.ones((8,), bool))
-    np.testing.assert_allclose(after.memory.support, [(1 - adaptive.EMA_WEIGHT) * 100 + 8, 100, 100], rtol=1e-6)
+    np.testing.assert_allclose(after.support, [(1 - adaptive.EMA_WEIGHT) * 100 + 8, 100, 100], rtol=1e-6)
 
 
 def test_many_rows_at_a_low_but_winning_acceptance_keep_drafting():
@@ -416,28 +413,6 @@ def test_greedy_output_equals_plain_decoding_while_tiers_switch(tiny_dir, defaul
             metrics["vllm:spec_decode_num_draft_tokens"].value > 0
     if method == "eagle3" and policy is AUTO:
         assert ran[0] > ran[K] > 0    # a random head loses: mostly plain steps, with probes
-
-
-def test_an_engines_next_call_starts_where_its_last_one_ended(tiny_dir, default_model_dir, workload, plain_tokens,
-                                                              eagle3_head):
-    """The policy's memory (rates, their verdicts, the probes' schedule) carries from one call to the next: a
-    fresh engine's first call probes the largest tier on its optimistic start; its second, knowing the random
-    head loses, runs plain steps that go on counting towards the first call's next probe, in the same
-    executable, and stays exact."""
-    llm = _llm(tiny_dir, default_model_dir, {"method": "eagle3", "num_speculative_tokens": K,
-                                             "model": str(eagle3_head), **AUTO})
-    prompts, params = workload[0][:SLOTS], workload[1][:SLOTS]
-    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    memory = llm._runner.policy_memory
-    second = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert first == second == plain_tokens[:SLOTS]
-    opening, again = llm.speculation_trace()
-    assert opening.k_per_step[0] == K and set(again.k_per_step) == {0}
-    after = llm._runner.policy_memory
-    assert float(memory.acceptance[0]) < 0.5 and int(memory.plain_run) > 0
-    assert int(after.plain_run) == int(memory.plain_run) + len(again.k_per_step)
-    np.testing.assert_array_equal(after.verdicts, memory.verdicts)
-    assert next(iter(llm._runner._compiled.values()))._cache_size() == 1
 
 
 def test_positions_without_a_draft_count_against_speculating(tiny_dir, default_model_dir, workload, plain_tokens,

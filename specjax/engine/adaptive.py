@@ -17,8 +17,7 @@ step that could show speculation winning. The gap starts at PROBE_EVERY and doub
 PROBE_MAX, and a speculative tier chosen on its merits sets it back. A probe runs until about PROBE_SAMPLES first
 drafts were verified (PROBE_MAX_STEPS for a few rows, one step for many) and moves the running rates as far as a
 segment's steps would: where speculation keeps losing, many rows pay a losing step per probe rather than a losing
-segment. The rates and the probes' schedule (PolicyMemory) carry from an engine's call to its next, so that a
-notebook's one-prompt calls run as one long run rather than each exploring from the optimistic start.
+segment.
 """
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specjax.config.speculation_policy import PROBE_EVERY, PROBE_MAX, SpeculationPolicy
 
@@ -57,33 +55,21 @@ PLAIN_MARGIN_SE = 1.0
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class PolicyMemory:
-    """What the policy has learned and where its probes stand: the part of an adaptive loop's state that an
-    engine's next call starts from (PolicyInputs.start), so that its calls go on as one long run rather than each
-    exploring from the optimistic start again."""
-    acceptance: jax.Array    # f32 [k_max]: running P(draft j accepted | drafts before j accepted)
-    verdicts: jax.Array      # f32 [k_max]: verdicts recorded at each position, OPTIMISTIC_VERDICTS at the start
-    support: jax.Array       # f32 [k_max]: verdicts each running rate rests on, older ones decayed as it weighs them
-    plain_run: jax.Array     # i32 []: plain (k = 0) iterations since the last speculative one; a probe's gap at first
-    probe_gap: jax.Array     # i32 []: plain iterations in a row after which a probe runs
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
 class PolicyInputs:
     """What the host hands an adaptive loop, traced (changing it does not recompile)."""
     step_costs: jax.Array    # f32 [n_tiers]: each tier's step time, relative units
     forced_tier: jax.Array   # i32 []: run this tier every iteration (calibration); -1 = choose
-    # Where the statistics start: an earlier call's end (the runner hands each call the last one's), else
-    # optimistic_start. A runner always passes one, so that its first call and the later ones share an executable.
-    start: PolicyMemory | None = None
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class AdaptState:
     """The adaptive loop's carry beside the rows'."""
-    memory: PolicyMemory
+    acceptance: jax.Array    # f32 [k_max]: running P(draft j accepted | drafts before j accepted)
+    verdicts: jax.Array      # f32 [k_max]: verdicts recorded at each position, OPTIMISTIC_VERDICTS at the start
+    support: jax.Array       # f32 [k_max]: verdicts each running rate rests on, older ones decayed as it weighs them
+    plain_run: jax.Array     # i32 []: plain (k = 0) iterations since the last speculative one; a probe's gap at first
+    probe_gap: jax.Array     # i32 []: plain iterations in a row after which a probe runs
     # i32 [S + 1, 2]: row i + 1 holds iteration i's k and live rows (row 0 unused), one array so that a step
     # writes once, at the loop's count after it: the count before it, read beside the count's in-place update,
     # made XLA copy it every step.
@@ -101,27 +87,21 @@ class AdaptState:
         return self.per_step[1:, 1]
 
 
-def policy_inputs(step_costs, forced_tier: int = -1, start: PolicyMemory | None = None) -> PolicyInputs:
-    return PolicyInputs(jnp.asarray(step_costs, jnp.float32), jnp.asarray(forced_tier, jnp.int32), start)
-
-
-def optimistic_start(k_max: int) -> PolicyMemory:
-    """Optimistic rates (every draft accepted) and a probe due, so the loop speculates and measures before it
-    judges, for a probe's steps (one at many rows) rather than a segment's: where speculation loses, a whole
-    segment of the largest tier at the start was about half of what auto lost to plain decoding at 128 rows
-    (benchmarks/RESULTS.md, "The first choice a probe"). Host arrays, as a carried memory comes back to the
-    runner, so that both run one executable."""
-    return PolicyMemory(acceptance=np.ones((k_max,), np.float32),
-                        verdicts=np.full((k_max,), OPTIMISTIC_VERDICTS, np.float32),
-                        support=np.full((k_max,), OPTIMISTIC_VERDICTS, np.float32),
-                        plain_run=np.asarray(PROBE_EVERY, np.int32), probe_gap=np.asarray(PROBE_EVERY, np.int32))
+def policy_inputs(step_costs, forced_tier: int = -1) -> PolicyInputs:
+    return PolicyInputs(jnp.asarray(step_costs, jnp.float32), jnp.asarray(forced_tier, jnp.int32))
 
 
 def init_adapt(k_max: int, max_steps: int, inputs: PolicyInputs) -> AdaptState:
-    """The loop's statistics from inputs.start (optimistic_start when none), recording up to max_steps
-    iterations."""
-    memory = optimistic_start(k_max) if inputs.start is None else inputs.start
-    return AdaptState(memory=memory, per_step=jnp.zeros((max_steps + 1, 2), jnp.int32), inputs=inputs)
+    """Optimistic rates at first (every draft accepted) and a probe due, so the loop speculates and measures
+    before it judges, for a probe's steps (one at many rows) rather than a segment's: where speculation loses, a
+    whole segment of the largest tier at the start was about half of what auto lost to plain decoding at 128 rows
+    (benchmarks/RESULTS.md, "The first choice a probe")."""
+    return AdaptState(acceptance=jnp.ones((k_max,), jnp.float32),
+                      verdicts=jnp.full((k_max,), OPTIMISTIC_VERDICTS, jnp.float32),
+                      support=jnp.full((k_max,), OPTIMISTIC_VERDICTS, jnp.float32),
+                      plain_run=jnp.asarray(PROBE_EVERY, jnp.int32),
+                      probe_gap=jnp.asarray(PROBE_EVERY, jnp.int32), per_step=jnp.zeros((max_steps + 1, 2), jnp.int32),
+                      inputs=inputs)
 
 
 def expected_tokens(acceptance: jax.Array, tiers: tuple[int, ...]) -> jax.Array:
@@ -141,18 +121,17 @@ def choose_tier(adapt: AdaptState, live: jax.Array,
         tier = jnp.argmax(jnp.asarray(tiers) == chosen).astype(jnp.int32)
     else:
         tier, speculation_wins, probe_tier = _best_tier(adapt, tiers)
-        memory = adapt.memory
-        probing = (memory.plain_run >= memory.probe_gap) & (adapt.inputs.forced_tier < 0)
-        gap = jnp.where(probing, jnp.minimum(2 * memory.probe_gap, PROBE_MAX),
-                        jnp.where(speculation_wins, PROBE_EVERY, memory.probe_gap))
+        probing = (adapt.plain_run >= adapt.probe_gap) & (adapt.inputs.forced_tier < 0)
+        gap = jnp.where(probing, jnp.minimum(2 * adapt.probe_gap, PROBE_MAX),
+                        jnp.where(speculation_wins, PROBE_EVERY, adapt.probe_gap))
         probe_steps = jnp.clip(-(-PROBE_SAMPLES // jnp.maximum(live, 1)), 1, PROBE_MAX_STEPS).astype(jnp.int32)
         # Plain steps record no verdicts, so a plain tier chosen on its merits stays the choice until a probe is
         # due: one segment runs until then, and its choice's work is paid once for all of those steps.
-        until_probe = jnp.maximum(memory.probe_gap - memory.plain_run, SEGMENT)
+        until_probe = jnp.maximum(adapt.probe_gap - adapt.plain_run, SEGMENT)
         plain = (jnp.asarray(tiers)[tier] == 0) & (adapt.inputs.forced_tier < 0)
         steps = jnp.where(probing, probe_steps, jnp.where(plain, until_probe, steps)).astype(jnp.int32)
         tier = jnp.where(probing, probe_tier, tier)
-        adapt = dataclasses.replace(adapt, memory=dataclasses.replace(memory, probe_gap=gap.astype(jnp.int32)))
+        adapt = dataclasses.replace(adapt, probe_gap=gap.astype(jnp.int32))
     forced = adapt.inputs.forced_tier
     # Calibration times a forced plain tier as a plain choice runs, in segments until the next probe (PROBE_EVERY
     # at the least): timed in 8-step segments it carried their choices' launches, which a plain choice pays once
@@ -168,13 +147,13 @@ def _best_tier(adapt: AdaptState, tiers: tuple[int, ...]) -> tuple[jax.Array, ja
     speculative tier won on the running rates themselves (only that sets the probes' gap back: one kept on the
     benefit of the doubt would bring probes every PROBE_EVERY steps where speculation loses); and the index of the
     tier a probe runs, the best speculative one at those raised rates."""
-    costs, memory = adapt.inputs.step_costs, adapt.memory
-    score = expected_tokens(memory.acceptance, tiers) / costs
+    costs = adapt.inputs.step_costs
+    score = expected_tokens(adapt.acceptance, tiers) / costs
     best = jnp.argmax(score).astype(jnp.int32)
     wins = jnp.asarray(tiers)[best] > 0
     if tiers[0] != 0:
         return best, wins, jnp.asarray(len(tiers) - 1, jnp.int32)
-    hopeful = expected_tokens(upper_rates(memory.acceptance, memory.support, PLAIN_MARGIN_SE), tiers) / costs
+    hopeful = expected_tokens(upper_rates(adapt.acceptance, adapt.support, PLAIN_MARGIN_SE), tiers) / costs
     probe = (jnp.argmax(hopeful[1:]) + 1).astype(jnp.int32)
     speculation_may_win = hopeful[probe] > score[0]
     return jnp.where((best == 0) & speculation_may_win, jnp.argmax(score[1:]) + 1, best).astype(jnp.int32), wins, probe
@@ -208,31 +187,29 @@ def record(adapt: AdaptState, steps_run: jax.Array, k: int, live: jax.Array, off
     the iterations run so far, this one included, offered [B] the positions each row's verify pass had room for
     (a position without a draft counts as rejected), accepted [B] the drafts it accepted, active [B] the rows
     that were running, segment_steps the length of the segment it belongs to (step_weight)."""
-    memory = adapt.memory
     if k > 0:
-        memory = _with_verdicts(memory, offered, accepted, active, segment_steps)
+        adapt = _with_verdicts(adapt, offered, accepted, active, segment_steps)
     slot = jnp.minimum(steps_run, adapt.per_step.shape[0] - 1)
     return dataclasses.replace(
-        adapt, memory=dataclasses.replace(memory, plain_run=memory.plain_run + 1 if k == 0 else
-                                          jnp.zeros_like(memory.plain_run)),
+        adapt, plain_run=adapt.plain_run + 1 if k == 0 else jnp.zeros_like(adapt.plain_run),
         per_step=jax.lax.dynamic_update_slice(adapt.per_step, jnp.stack([jnp.asarray(k, jnp.int32), live])[None],
                                               (slot, jnp.zeros_like(slot))))
 
 
-def _with_verdicts(memory: PolicyMemory, offered: jax.Array, accepted: jax.Array, active: jax.Array,
-                   segment_steps: jax.Array | int) -> PolicyMemory:
+def _with_verdicts(adapt: AdaptState, offered: jax.Array, accepted: jax.Array, active: jax.Array,
+                   segment_steps: jax.Array | int) -> AdaptState:
     """The running rates after one step's verdicts. A position's rate moves only when some row reached it with
     every earlier draft accepted (the condition of the conditional rate); n rows that reached it keep
     (1 - step weight) ** min(n / FULL_STEP_ROWS, 1) of the old rate, so eight one-row steps move it as far as
     one step of eight rows, or (early on, when more) keep v / (v + n) of it after v verdicts, as an average of
     every verdict so far would."""
-    j = jnp.arange(memory.acceptance.shape[0])[None, :]
+    j = jnp.arange(adapt.acceptance.shape[0])[None, :]
     reached = active[:, None] & (offered[:, None] > j) & (accepted[:, None] >= j)
     hits = jnp.sum(reached & (accepted[:, None] > j), axis=0)
     tries = jnp.sum(reached, axis=0)
     rate = hits / jnp.maximum(tries, 1)
     running = 1 - (1 - step_weight(segment_steps)) ** (jnp.minimum(tries, FULL_STEP_ROWS) / FULL_STEP_ROWS)
-    weight = jnp.maximum(running, tries / (memory.verdicts + tries))
-    acceptance = jnp.where(tries > 0, (1 - weight) * memory.acceptance + weight * rate, memory.acceptance)
-    support = jnp.where(tries > 0, (1 - weight) * memory.support + tries, memory.support)
-    return dataclasses.replace(memory, acceptance=acceptance, verdicts=memory.verdicts + tries, support=support)
+    weight = jnp.maximum(running, tries / (adapt.verdicts + tries))
+    acceptance = jnp.where(tries > 0, (1 - weight) * adapt.acceptance + weight * rate, adapt.acceptance)
+    support = jnp.where(tries > 0, (1 - weight) * adapt.support + tries, adapt.support)
+    return dataclasses.replace(adapt, acceptance=acceptance, verdicts=adapt.verdicts + tries, support=support)

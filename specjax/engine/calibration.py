@@ -21,7 +21,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from specjax.engine.adaptive import PolicyInputs, PolicyMemory, policy_inputs
+from specjax.engine.adaptive import PolicyInputs, policy_inputs
 from specjax.engine.state import RowParams
 
 # New tokens per row of a tier's measuring run, and how many times at most each run is timed. Noise on a shared
@@ -36,17 +36,17 @@ STABLE = 0.02
 
 
 def measure_step_costs(run: Callable[[PolicyInputs, RowParams], Any], rows: RowParams, n_tiers: int,
-                       room: int, start: PolicyMemory | None = None) -> tuple[float, ...]:
+                       room: int) -> tuple[float, ...]:
     """Seconds per iteration of each tier. run(policy, rows) runs the compiled loop and returns its final
     state (anything with `steps`, the loop iterations it ran); room: new tokens every row has space for in the
-    loop's buffers; start: the PolicyInputs.start the loop's callers pass (so that it runs their executable)."""
+    loop's buffers."""
     long = min(CALIBRATION_TOKENS, room)
     if long < 3:
         return (1.0,) * n_tiers   # no room to measure: equal costs, so the most expected tokens wins
     fixed = (0, 1)   # one token: the prefill and the call, whatever the tier
     cases = [fixed] + [(tier, long) for tier in range(n_tiers)]
     measuring = {n: _measuring_rows(rows, n) for n in (1, long)}
-    forced = [policy_inputs(np.ones(n_tiers, np.float32), tier, start) for tier in range(n_tiers)]
+    forced = [policy_inputs(np.ones(n_tiers, np.float32), tier) for tier in range(n_tiers)]
     jax.block_until_ready(run(forced[0], measuring[1]))   # compiles
     fastest, steps = dict.fromkeys(cases, float("inf")), {}
     for repeat in range(REPEATS):

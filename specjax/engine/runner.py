@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specjax.config import EngineConfig, SpeculativeConfig
 from specjax.default_model import cache_root
-from specjax.engine.adaptive import PolicyInputs, PolicyMemory, optimistic_start, policy_inputs
+from specjax.engine.adaptive import PolicyInputs, policy_inputs
 from specjax.engine.admission import Queue, admit_batch, build_admitting
 from specjax.engine.calibration import StepCostStore, measure_step_costs
 from specjax.engine.loop import (LoopSpec, eager_compiler_options, jit_generate, jit_stream,
@@ -106,8 +106,6 @@ class WaveRunner:
         self.cost_key = cost_key
         self.step_cost_store = StepCostStore(cache_root() / "step_costs.json")
         self._step_costs: dict[str, PolicyInputs] = {}   # this engine's, by shape: the file is read once each
-        # Where the last adaptive call's statistics ended: the next call starts there (PolicyInputs.start).
-        self.policy_memory: PolicyMemory | None = None
         self.traces: list[WaveTrace] = []       # adaptive waves' records, in the order they ran
         self.queue_traces: list[QueueTrace] = []   # continuous admission's runs, in the order they ran
         self._admitting: dict[tuple, Any] = {}   # LoopSpec fields -> jitted admitting generate
@@ -168,7 +166,6 @@ class WaveRunner:
         if out.adapt is not None:
             self.traces.append(WaveTrace(slots, out.adapt.k_per_step[:steps].tolist(),
                                          out.adapt.live_per_step[:steps].tolist()))
-            self.policy_memory = out.adapt.memory
         return _unpack(out.results, requests, self.vocab_size)
 
     def stream_wave(self, wave: Sequence[Request], stream_interval: int) -> Iterator[WaveChunk]:
@@ -206,11 +203,10 @@ class WaveRunner:
         policy = self.policy
         if policy is None:
             return None
-        start = optimistic_start(self.proposer.k) if self.policy_memory is None else self.policy_memory
         if policy.mode != "auto":
-            return policy_inputs(np.ones(len(policy.tiers), np.float32), start=start)
+            return policy_inputs(np.ones(len(policy.tiers), np.float32))
         if policy.step_costs is not None:
-            return policy_inputs(np.asarray(policy.step_costs, np.float32), start=start)
+            return policy_inputs(np.asarray(policy.step_costs, np.float32))
         store_key = "|".join(map(str, (self.cost_key, f"tiers={policy.tiers}", f"rows={len(lengths)}",
                                        f"slots={cache_len}", f"loop={key}", jax.devices()[0].device_kind,
                                        f"jax={jax.__version__}")))
@@ -218,10 +214,10 @@ class WaveRunner:
             costs = self.step_cost_store.get(store_key)
             if costs is None or len(costs) != len(policy.tiers):
                 room = cache_len - spare_slots(self.proposer) - 1 - int(np.max(lengths))
-                costs = measure_step_costs(run, rows, len(policy.tiers), room, start)
+                costs = measure_step_costs(run, rows, len(policy.tiers), room)
                 self.step_cost_store.put(store_key, costs)
             self._step_costs[store_key] = policy_inputs(np.asarray(costs, np.float32))
-        return dataclasses.replace(self._step_costs[store_key], start=start)
+        return self._step_costs[store_key]
 
     def step_costs(self) -> list[list[float]]:
         """The step times auto has weighed tiers by so far, one list (a time per tier) for each batch shape."""
@@ -274,7 +270,6 @@ class WaveRunner:
             steps = int(state.steps)
             self.traces.append(WaveTrace(len(state.lengths), state.adapt.k_per_step[:steps].tolist(),
                                          state.adapt.live_per_step[:steps].tolist()))
-            self.policy_memory = state.adapt.memory
         return _unpack(state, wave, self.vocab_size)
 
     def _pack(self, wave: Sequence[Request],
