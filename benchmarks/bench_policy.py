@@ -3,14 +3,16 @@ Bernoulli acceptance at given conditional rates and per-tier step times, so that
 best fixed k shows apart from what the GPU does (issue 26).
 
     PYTHONPATH=. python benchmarks/bench_policy.py [--costs 0.899,0.971,1.027,1.120] [--rows 1,2,4,8,32]
-        [--steps 2000] [--calls 1] [--seeds 3] [--switch 32,128,512] [--full-step-rows N]
+        [--steps 2000] [--calls 1] [--seeds 3] [--switch 32,128,512] [--deepen 128,512] [--full-step-rows N]
         [--optimistic-verdicts V] [--plain-margin-se Z] [--smoke]
 
 Every row is live for the whole run and has room for every draft. Stationary cases: the synthetic acceptance
 lengths of bench_sweep.py (vLLM's schedule: AL 1.2 = rates 0.2, 0, 0; AL 1.1 and 1.15, where plain decoding wins
 at the default step times) and a geometric 0.6. `--switch P`: the
 rates alternate every P steps between 0.9 at every position and 0.1 then 0 (a drafter that is right, then
-wrong), against the best single fixed k and against the oracle that takes each phase's best k.
+wrong), against the best single fixed k and against the oracle that takes each phase's best k. `--deepen P`:
+every P steps between first drafts right and later ones wrong (0.9, 0.1, 0) and every draft right (0.9 each): a
+drafter whose deeper drafts come good while k = 1 runs, positions the loop only measures when a deeper tier runs.
 `--calls N`: N calls of `--steps` steps each, each from the optimistic start (as an engine's calls run).
 `--full-step-rows N` / `--optimistic-verdicts V` override adaptive.FULL_STEP_ROWS / OPTIMISTIC_VERDICTS (1 and
 1e9: every step weighs alike from the start, the rule before either existed); `--plain-margin-se Z`
@@ -33,7 +35,7 @@ from specjax.engine import adaptive
 STATIONARY = {"AL 1.1": (0.1, 0.0, 0.0), "AL 1.15": (0.15, 0.0, 0.0), "AL 1.2": (0.2, 0.0, 0.0),
               "AL 1.5": (0.5, 0.0, 0.0), "AL 2.0": (1.0, 0.0, 0.0),
               "AL 3.0": (1.0, 1.0, 0.0), "geometric 0.6": (0.6, 0.6, 0.6)}
-RIGHT, WRONG = (0.9, 0.9, 0.9), (0.1, 0.0, 0.0)
+RIGHT, WRONG, SHALLOW = (0.9, 0.9, 0.9), (0.1, 0.0, 0.0), (0.9, 0.1, 0.0)
 TIERS = auto_tiers(3)   # (0, 1, 2, 3): a tier's index is its k
 
 
@@ -78,6 +80,7 @@ def main(argv=None) -> None:
     parser.add_argument("--calls", type=int, default=1)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--switch", default=None, help="periods (steps) of right / wrong drafting phases")
+    parser.add_argument("--deepen", default=None, help="periods (steps) of shallow / deep drafting phases")
     parser.add_argument("--full-step-rows", type=int, default=None)
     parser.add_argument("--optimistic-verdicts", type=float, default=None)
     parser.add_argument("--plain-margin-se", type=float, default=None)
@@ -94,9 +97,9 @@ def main(argv=None) -> None:
     costs = np.asarray([float(c) for c in args.costs.split(",")], np.float32)
     if len(costs) != len(TIERS):
         parser.error(f"--costs needs one step time per tier of auto at k <= 3 {TIERS}, got {args.costs}")
-    if args.switch:
-        cases = [(f"switch every {p}", [RIGHT, WRONG], int(p)) for p in args.switch.split(",")]
-    else:
+    cases = [(f"switch every {p}", [RIGHT, WRONG], int(p)) for p in (args.switch or "").split(",") if p]
+    cases += [(f"deepen every {p}", [SHALLOW, RIGHT], int(p)) for p in (args.deepen or "").split(",") if p]
+    if not cases:
         cases = [(name, [rates], args.steps) for name, rates in STATIONARY.items()]
     print(f"FULL_STEP_ROWS {adaptive.FULL_STEP_ROWS}, OPTIMISTIC_VERDICTS {adaptive.OPTIMISTIC_VERDICTS}, "
           f"PLAIN_MARGIN_SE {adaptive.PLAIN_MARGIN_SE}, "
