@@ -61,15 +61,21 @@ def simulate(rows: int, phases: list, period: int, costs: np.ndarray, steps: int
             tier, segment, state = choose(state, jnp.asarray(rows), policy)
             k = policy.tiers[int(tier)]
             for _ in range(min(int(segment), end - done)):
-                rates = np.asarray(phases[(done // period) % len(phases)])
-                passed = rng.random((rows, k)) < rates[None, :k]
-                accepted = np.where(passed.all(1), k, passed.argmin(1)) if k else np.zeros(rows, int)
+                accepted = _accepted(rng, rows, k, phases[(done // period) % len(phases)])
                 tokens, seconds = tokens + rows + accepted.sum(), seconds + costs[k]
                 state = record(state, jnp.asarray(1), k, jnp.asarray(rows), jnp.full((rows,), k),
                                jnp.asarray(accepted, jnp.int32), jnp.ones((rows,), bool), segment)
                 ran[k] += 1
                 done += 1
     return tokens / seconds, ran
+
+
+def _accepted(rng: np.random.Generator, rows: int, k: int, rates) -> np.ndarray:
+    """Each row's accepted drafts of k, position j passing at rates[j] once every draft before it passed."""
+    if not k:
+        return np.zeros(rows, int)
+    passed = rng.random((rows, k)) < np.asarray(rates)[None, :k]
+    return np.where(passed.all(1), k, passed.argmin(1))
 
 
 def main(argv=None) -> None:
