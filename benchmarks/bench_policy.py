@@ -2,7 +2,7 @@
 Bernoulli acceptance at given conditional rates and per-tier step times, so that what the policy loses to the
 best fixed k shows apart from what the GPU does (issue 26).
 
-    PYTHONPATH=. python benchmarks/bench_policy.py [--costs 0.899,0.971,1.027,1.120] [--rows 1,2,4,8,32]
+    PYTHONPATH=. python benchmarks/bench_policy.py [--costs 0.899,0.971,1.027,1.120] [--draft-cost 0.04] [--rows 1,2,4,8,32]
         [--steps 2000] [--calls 1] [--seeds 3] [--switch 32,128,512] [--deepen 128,512] [--full-step-rows N]
         [--optimistic-verdicts V] [--plain-margin-se Z] [--smoke]
 
@@ -17,8 +17,9 @@ drafter whose deeper drafts come good while k = 1 runs, positions the loop only 
 `--full-step-rows N` / `--optimistic-verdicts V` override adaptive.FULL_STEP_ROWS / OPTIMISTIC_VERDICTS (1 and
 1e9: every step weighs alike from the start, the rule before either existed); `--plain-margin-se Z`
 adaptive.PLAIN_MARGIN_SE (0: plain on the running rates alone, the rule before it).
+A shadow step (adaptive.py) costs its tier's step time and `--draft-cost` (one draft step; assumed, not measured).
 Prints auto's tokens per unit time over the best fixed k's expectation (mean, min-max over seeds) and the steps
-it ran at each k (first seed), and writes them to $OUT/bench_policy.json. `--smoke`: one row, 16 steps, one seed.
+it ran at each k, then its shadow steps (first seed), and writes them to $OUT/bench_policy.json. `--smoke`: one row, 16 steps, one seed.
 """
 from __future__ import annotations
 
@@ -44,28 +45,31 @@ def tokens_per_step(rates) -> np.ndarray:
     return np.asarray(adaptive.expected_tokens(jnp.asarray(rates, jnp.float32), TIERS))
 
 
-def simulate(rows: int, phases: list, period: int, costs: np.ndarray, steps: int, seed: int, calls: int = 1):
+def simulate(rows: int, phases: list, period: int, costs: np.ndarray, steps: int, seed: int, calls: int = 1,
+             draft_cost: float = 0.04):
     """Tokens per unit time of auto over `calls` calls of `steps` steps, each from the optimistic start (rates
-    phases[(step // period) % len], the step counted over the whole run), and steps per k."""
+    phases[(step // period) % len], the step counted over the whole run), and steps per k, shadows last."""
     policy = SpeculationPolicy("auto", TIERS)
     choose = jax.jit(adaptive.choose_tier, static_argnums=2)
-    record = jax.jit(adaptive.record, static_argnums=2)
+    record = jax.jit(adaptive.record, static_argnums=(2, 8))
     rng = np.random.default_rng(seed)
     tokens = seconds = 0.0
-    ran = np.zeros(len(TIERS), int)
+    ran = np.zeros(len(TIERS) + 1, int)
     done = 0
     for call in range(calls):
         state = adaptive.init_adapt(TIERS[-1], 1, adaptive.policy_inputs(costs))
         end = (call + 1) * steps
         while done < end:
-            tier, segment, state = choose(state, jnp.asarray(rows), policy)
-            k = policy.tiers[int(tier)]
+            tier, shadow, segment, state = choose(state, jnp.asarray(rows), policy)
+            k, shadow = policy.tiers[int(tier)], bool(shadow)
             for _ in range(min(int(segment), end - done)):
-                accepted = _accepted(rng, rows, k, phases[(done // period) % len(phases)])
-                tokens, seconds = tokens + rows + accepted.sum(), seconds + costs[k]
-                state = record(state, jnp.asarray(1), k, jnp.asarray(rows), jnp.full((rows,), k),
-                               jnp.asarray(accepted, jnp.int32), jnp.ones((rows,), bool), segment)
-                ran[k] += 1
+                accepted = _accepted(rng, rows, k + shadow, phases[(done // period) % len(phases)])
+                tokens += rows + np.minimum(accepted, k).sum()
+                seconds += costs[k] + shadow * draft_cost
+                state = record(state, jnp.asarray(1), k, jnp.asarray(rows), jnp.full((rows,), k + shadow),
+                               jnp.asarray(accepted, jnp.int32), jnp.ones((rows,), bool),
+                               adaptive.SEGMENT if shadow else segment, shadow)
+                ran[-1 if shadow else k] += 1
                 done += 1
     return tokens / seconds, ran
 
@@ -81,6 +85,7 @@ def _accepted(rng: np.random.Generator, rows: int, k: int, rates) -> np.ndarray:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--costs", default="0.899,0.971,1.027,1.120", help="step times of k = 0, 1, 2, 3")
+    parser.add_argument("--draft-cost", type=float, default=0.04, help="a shadow's extra time: one draft step")
     parser.add_argument("--rows", default="1,2,4,8,32")
     parser.add_argument("--steps", type=int, default=2000, help="steps per call")
     parser.add_argument("--calls", type=int, default=1)
@@ -116,19 +121,20 @@ def main(argv=None) -> None:
             per_phase = rows * np.stack([tokens_per_step(p) for p in phases]) / costs   # [phases, tiers]
             best = per_phase.mean(0).max()   # one fixed k over the phases (equal steps each)
             oracle = per_phase.max(1).mean()
-            runs = [simulate(rows, phases, period, costs, args.steps, seed, args.calls) for seed in range(args.seeds)]
+            runs = [simulate(rows, phases, period, costs, args.steps, seed, args.calls, args.draft_cost)
+                    for seed in range(args.seeds)]
             ratio = [r / best for r, _ in runs]
             line = (f"rows {rows:3d}  {name:16s} auto / best fixed {np.mean(ratio):.3f} "
                     f"({min(ratio):.3f}-{max(ratio):.3f})")
             if len(phases) > 1:
                 line += f"  / oracle {np.mean([r for r, _ in runs]) / oracle:.3f}"
-            print(f"{line}  steps per k {runs[0][1].tolist()}", flush=True)
+            print(f"{line}  steps per k {runs[0][1][:-1].tolist()}, shadows {runs[0][1][-1]}", flush=True)
             table.append(dict(rows=rows, case=name, full_step_rows=adaptive.FULL_STEP_ROWS,
                               optimistic_verdicts=adaptive.OPTIMISTIC_VERDICTS,
                               plain_margin_se=adaptive.PLAIN_MARGIN_SE, steps=args.steps, calls=args.calls,
                               over_best_fixed=round(float(np.mean(ratio)), 4),
                               over_oracle=round(float(np.mean([r for r, _ in runs]) / oracle), 4),
-                              steps_per_k=runs[0][1].tolist()))
+                              steps_per_k=runs[0][1][:-1].tolist(), shadow_steps=int(runs[0][1][-1])))
             write_json("bench_policy", table)
 
 

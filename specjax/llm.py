@@ -144,7 +144,8 @@ class LLM:
         traces = self._runner.traces
         per_k = np.bincount([k for t in traces for k in t.k_per_step], minlength=self.proposer.k + 1)
         return metrics + adaptive_metrics(per_k.tolist(), sum(sum(t.live_per_step) for t in traces),
-                                          sum(t.slots * len(t.k_per_step) for t in traces))
+                                          sum(t.slots * len(t.k_per_step) for t in traces),
+                                          sum(sum(t.shadow_per_step) for t in traces))
 
     def admission_trace(self) -> list[QueueTrace]:
         """Continuous admission's record of each call that ran more requests than slots: its slots, requests

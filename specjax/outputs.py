@@ -27,6 +27,7 @@ NUM_ACCEPTED_TOKENS_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 ITERATIONS_PER_K = "specjax:spec_decode_iterations_per_k"
 LIVE_ROW_ITERATIONS = "specjax:spec_decode_live_row_iterations"
 SLOT_ITERATIONS = "specjax:spec_decode_slot_iterations"
+SHADOW_ITERATIONS = "specjax:spec_decode_shadow_iterations"
 
 
 def mean_acceptance_length(num_drafts: int, num_accepted_tokens: int) -> float:
@@ -189,11 +190,14 @@ def spec_decode_metrics(num_drafts: int, num_draft_tokens: int, num_accepted: in
     ]
 
 
-def adaptive_metrics(iterations_per_k: Sequence[int], live_row_iterations: int, slot_iterations: int) -> list[Metric]:
-    """What an adaptive loop adds to get_metrics: how often each k ran, and how full the slots were."""
+def adaptive_metrics(iterations_per_k: Sequence[int], live_row_iterations: int, slot_iterations: int,
+                     shadow_iterations: int) -> list[Metric]:
+    """What an adaptive loop adds to get_metrics: how often each k ran, how full the slots were, and how many
+    iterations drafted one token more than their k to measure the next position (engine/adaptive.py)."""
     return [Vector(name=ITERATIONS_PER_K, labels={}, values=[int(v) for v in iterations_per_k]),
             Counter(name=LIVE_ROW_ITERATIONS, labels={}, value=int(live_row_iterations)),
-            Counter(name=SLOT_ITERATIONS, labels={}, value=int(slot_iterations))]
+            Counter(name=SLOT_ITERATIONS, labels={}, value=int(slot_iterations)),
+            Counter(name=SHADOW_ITERATIONS, labels={}, value=int(shadow_iterations))]
 
 
 @dataclasses.dataclass

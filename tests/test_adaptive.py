@@ -109,15 +109,16 @@ def test_probes_back_off_while_speculation_loses_and_come_back_when_it_wins():
     state, gaps = _adapt([0.1] * 3, costs), []
     for _ in range(6):   # each probe loses: the plain run that triggers the next one doubles, up to PROBE_MAX
         state = adaptive.dataclasses.replace(state, plain_run=state.probe_gap)
-        tier, _, state = choose(state, 4, policy)
+        tier, _, _, state = choose(state, 4, policy)
         assert int(tier) == 1
         gaps.append(int(state.probe_gap))
-        tier, _, state = choose(adaptive.dataclasses.replace(state, plain_run=jnp.asarray(0, jnp.int32)), 4, policy)
+        tier, _, _, state = choose(adaptive.dataclasses.replace(state, plain_run=jnp.asarray(0, jnp.int32)), 4,
+                                   policy)
         assert int(tier) == 0 and int(state.probe_gap) == gaps[-1]
     assert gaps == [min(PROBE_EVERY * 2 ** i, PROBE_MAX) for i in range(1, 7)]
     assert gaps[-1] == PROBE_MAX
-    tier, _, state = choose(adaptive.dataclasses.replace(state, acceptance=jnp.full((3,), 0.9, jnp.float32)), 4,
-                            policy)
+    tier, _, _, state = choose(adaptive.dataclasses.replace(state, acceptance=jnp.full((3,), 0.9, jnp.float32)), 4,
+                               policy)
     assert int(tier) == 3 and int(state.probe_gap) == PROBE_EVERY   # speculation won on its merits
 
 
@@ -129,7 +130,7 @@ def test_a_probe_verifies_a_set_number_of_drafts_and_weighs_as_a_segment(live, s
     ordinary weight."""
     policy = SpeculationPolicy("auto", (0, 1, 2, 3))
     state = _adapt([0.22, 1.0, 1.0], [1.0, 1.3, 1.5, 1.7], plain_run=PROBE_EVERY)   # plain wins; k = 3 the nearest
-    tier, probe_steps, probed = jax.jit(adaptive.choose_tier, static_argnums=2)(state, jnp.asarray(live), policy)
+    tier, _, probe_steps, probed = jax.jit(adaptive.choose_tier, static_argnums=2)(state, jnp.asarray(live), policy)
     assert int(tier) == 3 and int(probe_steps) == steps
     for step in range(steps):   # every first draft accepted at each of the probe's steps
         probed = adaptive.record(probed, jnp.asarray(step + 1), 3, jnp.asarray(live),
@@ -139,7 +140,7 @@ def test_a_probe_verifies_a_set_number_of_drafts_and_weighs_as_a_segment(live, s
         ordinary = adaptive.record(ordinary, jnp.asarray(step + 1), 3, jnp.asarray(live),
                                    jnp.full((live,), 3), jnp.full((live,), 3), jnp.ones((live,), bool))
     np.testing.assert_allclose(probed.acceptance, ordinary.acceptance, rtol=1e-5)
-    tier, segment, _ = adaptive.choose_tier(probed, jnp.asarray(live), policy)   # drafts won: a speculative tier,
+    tier, _, segment, _ = adaptive.choose_tier(probed, jnp.asarray(live), policy)   # drafts won: a speculative tier,
     assert (int(tier) > 0 if live == 1 else int(tier) == 3) and int(segment) == adaptive.SEGMENT   # one row's less
     assert float(adaptive.step_weight(segment)) == adaptive.EMA_WEIGHT
 
@@ -165,11 +166,11 @@ def test_the_first_choice_is_a_probe(live, steps):
     every position, and a calibration's forced tier still runs from the start."""
     policy = SpeculationPolicy("auto", (0, 1, 2, 3))
     choose = jax.jit(adaptive.choose_tier, static_argnums=2)
-    tier, segment, state = choose(adaptive.init_adapt(K, 8, adaptive.policy_inputs([1.0, 1.3, 1.5, 1.7])),
-                                  jnp.asarray(live), policy)
+    tier, _, segment, state = choose(adaptive.init_adapt(K, 8, adaptive.policy_inputs([1.0, 1.3, 1.5, 1.7])),
+                                     jnp.asarray(live), policy)
     assert (int(tier), int(segment), int(state.probe_gap)) == (3, steps, 2 * PROBE_EVERY)
-    forced, segment, _ = choose(adaptive.init_adapt(K, 8, adaptive.policy_inputs([1.0] * 4, 1)), jnp.asarray(live),
-                                policy)
+    forced, _, segment, _ = choose(adaptive.init_adapt(K, 8, adaptive.policy_inputs([1.0] * 4, 1)),
+                                   jnp.asarray(live), policy)
     assert (int(forced), int(segment)) == (1, adaptive.SEGMENT)
 
 
@@ -184,14 +185,14 @@ def test_a_plain_tier_chosen_on_its_merits_runs_until_the_next_probe(gap, plain_
     choose = jax.jit(adaptive.choose_tier, static_argnums=2)
     state = adaptive.dataclasses.replace(_adapt([0.1] * 3, costs, plain_run=plain_run),
                                          probe_gap=jnp.asarray(gap, jnp.int32))
-    tier, segment, state = choose(state, 4, policy)
+    tier, _, segment, state = choose(state, 4, policy)
     assert (int(tier), int(segment), int(state.probe_gap)) == (0, steps, gap)
     for step in range(int(segment)):
         state = adaptive.record(state, jnp.asarray(step + 1), 0, jnp.asarray(4), jnp.zeros((4,), jnp.int32),
                                 jnp.zeros((4,), jnp.int32), jnp.ones((4,), bool))
     assert int(choose(state, 4, policy)[0]) == 1   # the probe (k = 1: the drafts after the first fail)
     for forced, segment in ((0, PROBE_EVERY), (1, adaptive.SEGMENT), (3, adaptive.SEGMENT)):
-        assert int(choose(_adapt([0.1] * 3, costs, forced=forced), 4, policy)[1]) == segment
+        assert int(choose(_adapt([0.1] * 3, costs, forced=forced), 4, policy)[2]) == segment
 
 
 def test_a_plain_step_records_its_k_and_rows_and_no_verdicts():
@@ -308,6 +309,67 @@ def test_a_rates_support_decays_as_the_rate_weighs_its_verdicts():
     after = adaptive.record(state, jnp.asarray(1), 3, jnp.asarray(8), jnp.full((8,), 3), jnp.zeros((8,), jnp.int32),
                             jnp.ones((8,), bool))
     np.testing.assert_allclose(after.support, [(1 - adaptive.EMA_WEIGHT) * 100 + 8, 100, 100], rtol=1e-6)
+
+
+@pytest.mark.parametrize("live, steps", [(4, adaptive.SEGMENT), (128, 1)])
+def test_a_shallow_tier_runs_a_shadow_once_its_extra_drafts_fit_the_budget(live, steps):
+    """k = 1 wins where later drafts fail; after enough k = 1 steps that a shadow's extra draft steps (0.2 per step
+    by the step times: k = 2's increment) stay within SHADOW_BUDGET, its next segment is a shadow: a segment's
+    steps at few rows, one at many. Never at k_max (nothing deeper), for a forced tier or a probe."""
+    policy = SpeculationPolicy("auto", (0, 1, 2, 3))
+    costs = [1.0, 1.3, 1.5, 1.7]
+    gap = steps * 0.2 / (adaptive.SHADOW_BUDGET * 1.3)
+    choose = jax.jit(adaptive.choose_tier, static_argnums=2)
+    for shallow_run, due in ((int(gap) - 1, False), (int(gap) + 1, True)):
+        state = adaptive.dataclasses.replace(_adapt([0.9, 0.0, 0.0], costs),
+                                             shallow_run=jnp.asarray(shallow_run, jnp.int32))
+        tier, shadow, segment, _ = choose(state, jnp.asarray(live), policy)
+        assert (int(tier), bool(shadow), int(segment)) == (1, due, steps if due else adaptive.SEGMENT)
+    late = jnp.asarray(10 ** 6, jnp.int32)
+    for state in (_adapt([0.9] * 3, costs), _adapt([0.9, 0.0, 0.0], costs, forced=1),
+                  _adapt([0.1, 0.0, 0.0], costs, plain_run=PROBE_EVERY)):
+        tier, shadow, _, _ = choose(adaptive.dataclasses.replace(state, shallow_run=late), jnp.asarray(live), policy)
+        assert not bool(shadow) and int(tier) > 0
+    assert adaptive.segment_kinds(policy) == ((0, False), (1, False), (2, False), (3, False), (1, True), (2, True))
+    assert adaptive.segment_kinds(_spec(num_speculative_tokens_per_batch_size=[[1, 8, 1]]).policy) == (
+        (0, False), (1, False), (3, False))
+
+
+def test_a_shadows_verdicts_only_raise_the_position_above_its_tier():
+    """A shadow of k = 1 records its first drafts as any k = 1 step would and its second drafts' verdicts only where
+    they raise position 2's rate (a stale high rate is the hope a shallow tier cannot re-measure). Shadows, k_max
+    and plain steps start the run towards the next shadow again; other steps of a shallow tier add to it."""
+    state = _adapt([0.5, 0.3, 0.3], [1.0] * 4)
+    offered, active = jnp.full((8,), 2), jnp.ones((8,), bool)
+
+    def shadow(verdicts):
+        return adaptive.record(state, jnp.asarray(1), 1, jnp.asarray(8), offered, jnp.asarray(verdicts, jnp.int32),
+                               active, adaptive.SEGMENT, True)
+
+    good, bad = shadow([2] * 8), shadow([1] * 8)
+    ordinary = adaptive.record(state, jnp.asarray(1), 1, jnp.asarray(8), jnp.full((8,), 1), jnp.ones((8,), jnp.int32),
+                               active)
+    for after in (good, bad):
+        np.testing.assert_allclose(after.acceptance[0], ordinary.acceptance[0], rtol=1e-6)
+        assert after.shadow_per_step[0] == 1 and after.k_per_step[0] == 1 and int(after.shallow_run) == 0
+    assert float(good.acceptance[1]) > 0.3 and float(good.verdicts[1]) == float(state.verdicts[1]) + 8
+    np.testing.assert_array_equal([bad.acceptance[1:], bad.verdicts[1:], bad.support[1:]],
+                                  [state.acceptance[1:], state.verdicts[1:], state.support[1:]])
+    assert int(ordinary.shallow_run) == 1 and ordinary.shadow_per_step[0] == 0
+    deepest = adaptive.record(ordinary, jnp.asarray(2), 3, jnp.asarray(8), jnp.full((8,), 3), jnp.zeros((8,), jnp.int32),
+                              active)
+    assert int(deepest.shallow_run) == 0
+
+
+def test_drafts_that_come_good_deeper_are_followed_there():
+    """A drafter whose later drafts fail for a while and then come good: k = 1 wins at first, k = 3 later, and
+    k = 1 never measures positions 2 and 3. Without shadows auto stayed at k = 1 for good, 0.81 of the best fixed
+    k (benchmarks/RESULTS.md, "Shadow drafts")."""
+    from benchmarks.bench_policy import RIGHT, SHALLOW, simulate, tokens_per_step
+    costs = np.asarray([0.899, 0.971, 1.027, 1.120])
+    rate, ran = simulate(rows=8, phases=[SHALLOW, RIGHT], period=512, costs=costs, steps=1024, seed=0)
+    best = 8 * np.mean([tokens_per_step(p) for p in (SHALLOW, RIGHT)], axis=0) / costs
+    assert rate >= 0.95 * best.max() and ran[3] > 256 and 0 < ran[-1] < 0.1 * ran.sum(), ran
 
 
 def test_many_rows_at_a_low_but_winning_acceptance_keep_drafting():
@@ -435,6 +497,33 @@ def test_positions_without_a_draft_count_against_speculating(tiny_dir, default_m
     assert ran[0] > ran[1] + ran[2] + ran[K] > 0, ran   # plain steps, and probes (at raised rates: k = 1 or K)
 
 
+def test_shadows_emit_what_their_tier_would(tiny_dir, default_model_dir, workload, plain_tokens, monkeypatch):
+    """An n-gram proposer whose drafts after the first are wrong, with shadows due at every k = 1 choice (a budget
+    any draft cost fits): auto runs k = 1 and its shadows, and the output is plain decoding's. (A shadow's last
+    token is rejection sampling's token after one more draft: test_rejection.py checks that every slot's token
+    follows the target's distribution.)"""
+    from specjax.engine.proposers import ngram
+    found, vocab = ngram.NgramProposer.propose, json.loads((tiny_dir / "config.json").read_text())["vocab_size"]
+
+    def first_right(self, draft_state, carry, tokens, lengths, rows):
+        drafts, probs, carry = found(self, draft_state, carry, tokens, lengths, rows)
+        wrong = jnp.where(drafts[:, 1:] >= 0, (drafts[:, 1:] + 1) % vocab, drafts[:, 1:])
+        return drafts.at[:, 1:].set(wrong), probs, carry
+
+    monkeypatch.setattr(ngram.NgramProposer, "propose", first_right)
+    monkeypatch.setattr(adaptive, "SHADOW_BUDGET", 1e6)
+    spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "speculation_policy": "auto", "step_costs": {0: 1.0, 1: 1.2, 2: 1.4, 3: 1.6}}
+    llm = _llm(tiny_dir, default_model_dir, spec)
+    outs = llm.generate(*workload, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain_tokens
+    steps = [(k, shadow) for t in llm.speculation_trace() for k, shadow in zip(t.k_per_step, t.shadow_per_step)]
+    shadows = collections.Counter(k for k, shadow in steps if shadow)
+    assert set(shadows) == {1} and shadows[1] > 0, collections.Counter(steps)
+    metrics = {m.name: m for m in llm.get_metrics()}
+    assert metrics["specjax:spec_decode_shadow_iterations"].value == shadows[1]
+
+
 TREE = {"tree_nodes": 6, "tree_branching": 2}
 
 
@@ -540,6 +629,21 @@ def test_a_drafting_tier_is_the_fixed_loops_step_and_a_segment_catches_up_once(t
         jax.make_jaxpr(loop._body_fn(target, runner.proposer, runner.draft_state, ROWS, spec, None,
                                      lambda s: jnp.any(~s.done)))(state)
     assert len(calls) == 1 and calls[0].dtype == jnp.bool_   # once, told whether the chosen tier drafts
+
+
+def test_a_shadow_step_commits_its_tiers_tokens_and_counts_its_own_draft(tiny_dir, default_model_dir):
+    """A draft model drafting for itself: tier 1 and its shadow commit the same tokens, lengths and counters;
+    the shadow's second draft (verified at the bonus position) is accepted too, and counted only in its verdicts."""
+    spec = {"method": "draft_model", "model": str(tiny_dir), "num_speculative_tokens": K, **AUTO}
+    runner = _llm(tiny_dir, default_model_dir, spec)._runner
+    loop_spec, state, target = _prefilled(runner, True)
+    after = {shadow: jax.jit(loop._tier_step(target, runner.proposer, runner.draft_state, ROWS, loop_spec, None, 1,
+                                             adaptive=True, shadow=shadow))(state) for shadow in (False, True)}
+    (tier, tier_verdicts), (shadowed, shadow_verdicts) = after[False], after[True]
+    for field in ("tokens", "lengths"):
+        np.testing.assert_array_equal(getattr(tier, field), getattr(shadowed, field))
+    jax.tree.map(np.testing.assert_array_equal, tier.counters, shadowed.counters)
+    assert tier_verdicts.tolist() == [1, 1] and shadow_verdicts.tolist() == [2, 2]
 
 
 # ------------------------------------------------------------------------------------------------------------

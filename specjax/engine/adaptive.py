@@ -18,6 +18,15 @@ PROBE_MAX, and a speculative tier chosen on its merits sets it back. A probe run
 drafts were verified (PROBE_MAX_STEPS for a few rows, one step for many) and moves the running rates as far as a
 segment's steps would: where speculation keeps losing, many rows pay a losing step per probe rather than a losing
 segment.
+Likewise a speculative tier below k_max does not measure the position above it, so drafts that come good deeper
+would go unseen while a shallow tier runs. Every so often its segment is a shadow: it drafts one token more and
+verifies that draft at the bonus position, as rejection sampling would, without widening the verify pass. It emits
+what the tier emits (the last token, the draft accepted or the residual drawn, is distributed as the bonus is),
+at the cost of one draft step; shadows come as often as keeps that extra cost near SHADOW_BUDGET of the
+step time. A
+shadow's verdict only raises the position's rate: below the tier every step measures, but above it a rate is a
+hope that the tier cannot re-measure, and a stale high one is what takes auto straight back to deep drafts when a
+drafter comes good again (benchmarks/RESULTS.md, "Shadow drafts").
 """
 from __future__ import annotations
 
@@ -51,6 +60,9 @@ OPTIMISTIC_VERDICTS = 1.0
 # chosen only when speculation loses even at rates this many standard errors up (benchmarks/RESULTS.md, "Plain only
 # when speculation loses beyond the rates' noise").
 PLAIN_MARGIN_SE = 1.0
+# Share of the step time shadow steps may add. A shadow's extra cost is one draft step, estimated as the next tier's
+# step time over this one's per draft: an upper bound, as that increment also pays for a wider verify pass.
+SHADOW_BUDGET = 0.005
 
 
 @jax.tree_util.register_dataclass
@@ -70,8 +82,11 @@ class AdaptState:
     support: jax.Array       # f32 [k_max]: verdicts each running rate rests on, older ones decayed as it weighs them
     plain_run: jax.Array     # i32 []: plain (k = 0) iterations since the last speculative one; a probe's gap at first
     probe_gap: jax.Array     # i32 []: plain iterations in a row after which a probe runs
-    # i32 [S + 1, 2]: row i + 1 holds iteration i's k and live rows (row 0 unused), one array so that a step
-    # writes once, at the loop's count after it: the count before it, read beside the count's in-place update,
+    # i32 []: iterations of a speculative tier below k_max in a row since a shadow or a k_max step last measured the
+    # position above (a plain step starts it again)
+    shallow_run: jax.Array
+    # i32 [S + 1, 3]: row i + 1 holds iteration i's k, live rows and whether it was a shadow (row 0 unused), one
+    # array so that a step writes once, at the loop's count after it: the count before it, read beside the count's in-place update,
     # made XLA copy it every step.
     per_step: jax.Array
     inputs: PolicyInputs
@@ -85,6 +100,11 @@ class AdaptState:
     def live_per_step(self) -> jax.Array:
         """i32 [S]: rows running at iteration i."""
         return self.per_step[1:, 1]
+
+    @property
+    def shadow_per_step(self) -> jax.Array:
+        """i32 [S]: 1 where iteration i drafted one token more than its k, to measure the next position."""
+        return self.per_step[1:, 2]
 
 
 def policy_inputs(step_costs, forced_tier: int = -1) -> PolicyInputs:
@@ -100,8 +120,8 @@ def init_adapt(k_max: int, max_steps: int, inputs: PolicyInputs) -> AdaptState:
                       verdicts=jnp.full((k_max,), OPTIMISTIC_VERDICTS, jnp.float32),
                       support=jnp.full((k_max,), OPTIMISTIC_VERDICTS, jnp.float32),
                       plain_run=jnp.asarray(PROBE_EVERY, jnp.int32),
-                      probe_gap=jnp.asarray(PROBE_EVERY, jnp.int32), per_step=jnp.zeros((max_steps + 1, 2), jnp.int32),
-                      inputs=inputs)
+                      probe_gap=jnp.asarray(PROBE_EVERY, jnp.int32), shallow_run=jnp.zeros((), jnp.int32),
+                      per_step=jnp.zeros((max_steps + 1, 3), jnp.int32), inputs=inputs)
 
 
 def expected_tokens(acceptance: jax.Array, tiers: tuple[int, ...]) -> jax.Array:
@@ -110,12 +130,21 @@ def expected_tokens(acceptance: jax.Array, tiers: tuple[int, ...]) -> jax.Array:
     return jnp.stack([jnp.sum(reach[:k + 1]) for k in tiers])
 
 
+def segment_kinds(policy: SpeculationPolicy) -> tuple[tuple[int, bool], ...]:
+    """The (k, shadow) segments an adaptive loop compiles: every tier, then (auto) a shadow of each speculative
+    tier below k_max."""
+    shadows = [(k, True) for k in policy.tiers if 0 < k < policy.tiers[-1]] if policy.mode == "auto" else []
+    return tuple((k, False) for k in policy.tiers) + tuple(shadows)
+
+
 def choose_tier(adapt: AdaptState, live: jax.Array,
-                policy: SpeculationPolicy) -> tuple[jax.Array, jax.Array, AdaptState]:
-    """The index into policy.tiers of the tier the next segment runs, its length in steps (SEGMENT; fewer for a
-    probe of many rows, more for a plain tier chosen on its merits), and the state with its probe gap moved."""
+                policy: SpeculationPolicy) -> tuple[jax.Array, jax.Array, jax.Array, AdaptState]:
+    """The index into policy.tiers of the tier the next segment runs, whether it is a shadow, its length in steps
+    (SEGMENT; fewer for a probe or a shadow of many rows, more for a plain tier chosen on its merits), and the
+    state with its probe gap moved."""
     tiers = policy.tiers
     steps = jnp.asarray(SEGMENT, jnp.int32)
+    shadow = jnp.zeros((), bool)
     if policy.mode == "table":
         chosen = _table_k(live, policy)
         tier = jnp.argmax(jnp.asarray(tiers) == chosen).astype(jnp.int32)
@@ -131,6 +160,9 @@ def choose_tier(adapt: AdaptState, live: jax.Array,
         plain = (jnp.asarray(tiers)[tier] == 0) & (adapt.inputs.forced_tier < 0)
         steps = jnp.where(probing, probe_steps, jnp.where(plain, until_probe, steps)).astype(jnp.int32)
         tier = jnp.where(probing, probe_tier, tier)
+        shadow, shadow_steps = _shadow_due(adapt, tier, live, tiers)
+        shadow &= ~probing & (adapt.inputs.forced_tier < 0)
+        steps = jnp.where(shadow, shadow_steps, steps).astype(jnp.int32)
         adapt = dataclasses.replace(adapt, probe_gap=gap.astype(jnp.int32))
     forced = adapt.inputs.forced_tier
     # Calibration times a forced plain tier as a plain choice runs, in segments until the next probe (PROBE_EVERY
@@ -138,7 +170,20 @@ def choose_tier(adapt: AdaptState, live: jax.Array,
     # per probe gap, and so cost more than it does when chosen.
     forced_plain = (forced >= 0) & (jnp.asarray(tiers)[jnp.maximum(forced, 0)] == 0)
     steps = jnp.where(forced_plain, PROBE_EVERY, steps).astype(jnp.int32)
-    return jnp.where(forced >= 0, forced, tier), steps, adapt
+    return jnp.where(forced >= 0, forced, tier), shadow, steps, adapt
+
+
+def _shadow_due(adapt: AdaptState, tier: jax.Array, live: jax.Array,
+                tiers: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """Whether a segment of `tier` should be a shadow, and a shadow's steps: about PROBE_SAMPLES first drafts, one
+    step for many rows up to a segment for few; due once the tier has run long enough since the last that the
+    shadows' extra draft steps stay within SHADOW_BUDGET of the step time."""
+    ks, costs = jnp.asarray(tiers), adapt.inputs.step_costs
+    deeper = jnp.minimum(tier + 1, len(tiers) - 1)
+    per_draft = jnp.maximum(costs[deeper] - costs[tier], 0.0) / jnp.maximum(ks[deeper] - ks[tier], 1)
+    steps = jnp.clip(-(-PROBE_SAMPLES // jnp.maximum(live, 1)), 1, SEGMENT).astype(jnp.int32)
+    gap = steps * per_draft / (SHADOW_BUDGET * costs[tier])
+    return (ks[tier] > 0) & (ks[tier] < tiers[-1]) & (adapt.shallow_run >= gap), steps
 
 
 def _best_tier(adapt: AdaptState, tiers: tuple[int, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -182,27 +227,31 @@ def step_weight(segment_steps: jax.Array) -> jax.Array:
 
 
 def record(adapt: AdaptState, steps_run: jax.Array, k: int, live: jax.Array, offered: jax.Array,
-           accepted: jax.Array, active: jax.Array, segment_steps: jax.Array | int = SEGMENT) -> AdaptState:
+           accepted: jax.Array, active: jax.Array, segment_steps: jax.Array | int = SEGMENT,
+           shadow: bool = False) -> AdaptState:
     """The statistics after an iteration ran tier k (static: a plain step has no verdicts to record): steps_run
     the iterations run so far, this one included, offered [B] the positions each row's verify pass had room for
-    (a position without a draft counts as rejected), accepted [B] the drafts it accepted, active [B] the rows
-    that were running, segment_steps the length of the segment it belongs to (step_weight)."""
+    (a position without a draft counts as rejected), accepted [B] the drafts it accepted (a shadow's own
+    included), active [B] the rows that were running, segment_steps the length of the segment it belongs to
+    (step_weight), shadow (static) whether it drafted k + 1 to measure position k + 1."""
     if k > 0:
-        adapt = _with_verdicts(adapt, offered, accepted, active, segment_steps)
+        adapt = _with_verdicts(adapt, offered, accepted, active, segment_steps, k if shadow else None)
     slot = jnp.minimum(steps_run, adapt.per_step.shape[0] - 1)
+    shallow = 0 < k < adapt.acceptance.shape[0] and not shadow
+    row = jnp.stack([jnp.asarray(k, jnp.int32), live, jnp.asarray(shadow, jnp.int32)])
     return dataclasses.replace(
         adapt, plain_run=adapt.plain_run + 1 if k == 0 else jnp.zeros_like(adapt.plain_run),
-        per_step=jax.lax.dynamic_update_slice(adapt.per_step, jnp.stack([jnp.asarray(k, jnp.int32), live])[None],
-                                              (slot, jnp.zeros_like(slot))))
+        shallow_run=adapt.shallow_run + 1 if shallow else jnp.zeros_like(adapt.shallow_run),
+        per_step=jax.lax.dynamic_update_slice(adapt.per_step, row[None], (slot, jnp.zeros_like(slot))))
 
 
 def _with_verdicts(adapt: AdaptState, offered: jax.Array, accepted: jax.Array, active: jax.Array,
-                   segment_steps: jax.Array | int) -> AdaptState:
+                   segment_steps: jax.Array | int, raise_only: int | None = None) -> AdaptState:
     """The running rates after one step's verdicts. A position's rate moves only when some row reached it with
     every earlier draft accepted (the condition of the conditional rate); n rows that reached it keep
     (1 - step weight) ** min(n / FULL_STEP_ROWS, 1) of the old rate, so eight one-row steps move it as far as
     one step of eight rows, or (early on, when more) keep v / (v + n) of it after v verdicts, as an average of
-    every verdict so far would."""
+    every verdict so far would. At position index `raise_only` (a shadow's) the rate only rises."""
     j = jnp.arange(adapt.acceptance.shape[0])[None, :]
     reached = active[:, None] & (offered[:, None] > j) & (accepted[:, None] >= j)
     hits = jnp.sum(reached & (accepted[:, None] > j), axis=0)
@@ -212,4 +261,9 @@ def _with_verdicts(adapt: AdaptState, offered: jax.Array, accepted: jax.Array, a
     weight = jnp.maximum(running, tries / (adapt.verdicts + tries))
     acceptance = jnp.where(tries > 0, (1 - weight) * adapt.acceptance + weight * rate, adapt.acceptance)
     support = jnp.where(tries > 0, (1 - weight) * adapt.support + tries, adapt.support)
-    return dataclasses.replace(adapt, acceptance=acceptance, verdicts=adapt.verdicts + tries, support=support)
+    verdicts = adapt.verdicts + tries
+    if raise_only is not None:
+        kept = (j[0] == raise_only) & (acceptance < adapt.acceptance)
+        acceptance, support, verdicts = (jnp.where(kept, old, new) for old, new in (
+            (adapt.acceptance, acceptance), (adapt.support, support), (adapt.verdicts, verdicts)))
+    return dataclasses.replace(adapt, acceptance=acceptance, verdicts=verdicts, support=support)

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from specjax.config.speculation_policy import SpeculationPolicy
 from specjax.engine import sampling
-from specjax.engine.adaptive import PolicyInputs, choose_tier, init_adapt, record
+from specjax.engine.adaptive import SEGMENT, PolicyInputs, choose_tier, init_adapt, record, segment_kinds
 from specjax.engine.draft_tree import DraftTree
 from specjax.engine.proposers.base import Proposer, TargetPass
 from specjax.engine.rejection import rejection_sample
@@ -201,58 +201,66 @@ def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
     policy = spec.policy
     if policy is None:
         if proposer.tree is not None:
-            return _tree_step(target, proposer, draft_state, rows, spec)
-        return _tier_step(target, proposer, draft_state, rows, spec, synthetic_rates, spec.k, adaptive=False)
+            step = _tree_step(target, proposer, draft_state, rows, spec)
+        else:
+            step = _tier_step(target, proposer, draft_state, rows, spec, synthetic_rates, spec.k, adaptive=False)
+        return lambda state: step(state)[0]
 
-    def segment(k: int):
+    def segment(k: int, shadow: bool):
         if proposer.tree is not None and k > 0:
             step = _tree_step(target, proposer, draft_state, rows, spec)
         else:
-            step = _tier_step(target, proposer, draft_state, rows, spec, synthetic_rates, k, adaptive=True)
+            step = _tier_step(target, proposer, draft_state, rows, spec, synthetic_rates, k, adaptive=True,
+                              shadow=shadow)
 
         def recorded_step(state: LoopState, segment_steps: jax.Array) -> LoopState:
             active = ~state.done
-            before = state.counters
             # The positions the step paid to verify: every one its budget allows, drafted or not. A proposer
             # that found no draft there (an n-gram miss) gained nothing from them, so they count as rejected.
-            offered = jnp.clip(_budget(state, rows, spec) - 1, 0, k)
-            state = step(state)
-            adapt = record(state.adapt, state.steps, k, jnp.sum(active).astype(jnp.int32), offered,
-                           state.counters.num_accepted - before.num_accepted, active, segment_steps)
+            offered = jnp.clip(_budget(state, rows, spec) - 1, 0, k + shadow)
+            state, accepted = step(state)
+            adapt = record(state.adapt, state.steps, k, jnp.sum(active).astype(jnp.int32), offered, accepted,
+                           active, segment_steps, shadow)
             return dataclasses.replace(state, adapt=adapt)
 
         def run(state: LoopState, chosen: jax.Array, steps: jax.Array, end: jax.Array) -> LoopState:
+            # A shadow's steps weigh as the tier's own: its verdicts below the shadow position are ordinary ones.
+            weight = SEGMENT if shadow else steps
             return jax.lax.while_loop(lambda s: chosen & running(s) & (s.steps < end),
-                                      lambda s: recorded_step(s, steps), state)
+                                      lambda s: recorded_step(s, weight), state)
 
         return run
 
-    segments = [segment(k) for k in policy.tiers]
+    kinds = segment_kinds(policy)
+    segments = [segment(k, shadow) for k, shadow in kinds]
 
     def body(state: LoopState) -> LoopState:
-        tier, steps, adapt = choose_tier(state.adapt, jnp.sum(~state.done).astype(jnp.int32), policy)
+        tier, shadow, steps, adapt = choose_tier(state.adapt, jnp.sum(~state.done).astype(jnp.int32), policy)
         # Rows fall behind the proposer only in plain segments, so a drafting segment catches up once, here.
         drafting = jnp.asarray(policy.tiers)[tier] > 0
         carry = proposer.catch_up(draft_state, state.proposer, state.tokens, state.lengths, rows, drafting)
         state = dataclasses.replace(state, adapt=adapt, proposer=carry)
         end = state.steps + steps   # once: every tier's loop would otherwise add it again
-        for index, run in enumerate(segments):
-            state = run(state, tier == index, steps, end)
+        for (k, shadowed), run in zip(kinds, segments):
+            state = run(state, (tier == policy.tiers.index(k)) & (shadow == shadowed), steps, end)
         return state
 
     return body
 
 
 def _tier_step(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, synthetic_rates, k: int,
-               adaptive: bool):
-    """One iteration drafting k tokens per row. An adaptive loop's k = 0 tier is a plain decode step: no
-    proposer, a one-token target pass, plain sampling; the proposer only keeps (`skipped`) what its catch_up
-    needs later."""
-    drafter = proposer.with_k(k) if adaptive and k > 0 else proposer
+               adaptive: bool, shadow: bool = False):
+    """One iteration drafting k tokens per row: state -> (state, each row's drafts accepted). An adaptive loop's
+    k = 0 tier is a plain decode step: no proposer, a one-token target pass, plain sampling; the proposer only
+    keeps (`skipped`) what its catch_up needs later. A shadow (engine/adaptive.py) drafts k + 1 and verifies the
+    last at the bonus position (a row of logits padded on for a bonus never emitted); it emits what tier k
+    would, and its accepted count includes that draft."""
+    drafted = k + shadow
+    drafter = proposer.with_k(drafted) if adaptive and k > 0 else proposer
     plain_tier = adaptive and k == 0   # a fixed k = 0 (plain decoding, recording) runs its proposer as any k
-    rates = None if synthetic_rates is None else synthetic_rates[:k]
+    rates = None if synthetic_rates is None else synthetic_rates[:drafted]
 
-    def step(state: LoopState) -> LoopState:
+    def step(state: LoopState) -> tuple[LoopState, jax.Array]:
         B = state.lengths.shape[0]
         budget = _budget(state, rows, spec)
         if plain_tier:
@@ -260,35 +268,40 @@ def _tier_step(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, s
         else:
             drafts, draft_probs, proposer_state = drafter.propose(draft_state, state.proposer, state.tokens,
                                                                   state.lengths, rows)
-        drafts = _clamp_drafts(drafts, budget, k)
+        drafts = _clamp_drafts(drafts, budget, drafted)
         last = state.tokens[jnp.arange(B), state.lengths - 1]
-        verify_tokens = jnp.concatenate([last[:, None], jnp.maximum(drafts, 0)], axis=1)
+        verify_tokens = jnp.concatenate([last[:, None], jnp.maximum(drafts[:, :k], 0)], axis=1)
         start = state.lengths - 1
         hidden, cache, aux = target(verify_tokens, start, state.cache, capture_layers=proposer.capture_layers)
         raw_logits = gather_vocab(target.logits(hidden))  # [B, k+1, V]
         logits = _mask_stop_ids(raw_logits, rows, generated=state.lengths - state.prompt_lengths)
-        logits = _penalised(logits, rows, state.counts, drafts)
-        out, accepted = _verify(logits, drafts, draft_probs, rows, state.lengths, spec, k, rates, target.kernels)
+        logits = _penalised(logits, rows, state.counts, drafts[:, :k])
+        if shadow:
+            logits = jnp.pad(logits, ((0, 0), (0, 1), (0, 0)))
+        out, verdicts = _verify(logits, drafts, draft_probs, rows, state.lengths, spec, drafted, rates,
+                                target.kernels)
+        accepted = jnp.minimum(verdicts, k)
         active = ~state.done
         state = dataclasses.replace(state, cache=cache, proposer=proposer_state,
-                                    counters=_count(state.counters, drafts, accepted, active),
+                                    counters=_count(state.counters, drafts[:, :k], accepted, active),
                                     steps=state.steps + 1)
-        state = _commit(state, out, accepted + 1, raw_logits, rows, spec)
+        state = _commit(state, out[:, :k + 1], accepted + 1, raw_logits, rows, spec)
         passed = TargetPass(hidden, aux.captured, start)
         if plain_tier:
             carry = proposer.skipped(draft_state, state.proposer, passed, state.tokens, state.lengths, rows)
-            return dataclasses.replace(state, proposer=carry)
-        return _observe(drafter, draft_state, state, passed, rows)
+            return dataclasses.replace(state, proposer=carry), verdicts
+        return _observe(drafter, draft_state, state, passed, rows), verdicts
 
     return step
 
 
 def _tree_step(target, proposer: Proposer, draft_state, rows: RowParams, spec: LoopSpec):
     """One iteration drafting a tree per row: one target pass over the root (the last committed token) and the
-    tree's nodes, the accepted path's KV and hidden states moved to follow the root, the path committed."""
+    tree's nodes, the accepted path's KV and hidden states moved to follow the root, the path committed:
+    state -> (state, each row's drafts accepted)."""
     depth = proposer.k
 
-    def step(state: LoopState) -> LoopState:
+    def step(state: LoopState) -> tuple[LoopState, jax.Array]:
         B = state.lengths.shape[0]
         budget = _budget(state, rows, spec)
         tree, draft_probs, proposer_state = proposer.propose_tree(draft_state, state.proposer, state.tokens,
@@ -314,7 +327,7 @@ def _tree_step(target, proposer: Proposer, draft_state, rows: RowParams, spec: L
                                     steps=state.steps + 1)
         state = _commit(state, out, accepted + 1, _along(raw_logits, kept), rows, spec)
         captured = None if aux.captured is None else _along(aux.captured, kept)
-        return _observe(proposer, draft_state, state, TargetPass(_along(hidden, kept), captured, start), rows)
+        return _observe(proposer, draft_state, state, TargetPass(_along(hidden, kept), captured, start), rows), accepted
 
     return step
 

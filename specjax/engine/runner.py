@@ -54,11 +54,12 @@ class RowResult:
 
 @dataclasses.dataclass(frozen=True)
 class WaveTrace:
-    """An adaptive wave's record: its slots (compiled rows), and per loop iteration the k every row drafted and
-    how many rows were running."""
+    """An adaptive wave's record: its slots (compiled rows), and per loop iteration the k every row drafted, how
+    many rows were running, and whether it was a shadow (one draft more, to measure position k + 1)."""
     slots: int
     k_per_step: list[int]
     live_per_step: list[int]
+    shadow_per_step: list[int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +165,7 @@ class WaveRunner:
         steps = int(out.steps)
         self.queue_traces.append(QueueTrace(slots, len(requests), steps, out.busy.tolist(), int(out.admissions)))
         if out.adapt is not None:
-            self.traces.append(WaveTrace(slots, out.adapt.k_per_step[:steps].tolist(),
-                                         out.adapt.live_per_step[:steps].tolist()))
+            self.traces.append(_wave_trace(slots, out.adapt, steps))
         return _unpack(out.results, requests, self.vocab_size)
 
     def stream_wave(self, wave: Sequence[Request], stream_interval: int) -> Iterator[WaveChunk]:
@@ -268,8 +268,7 @@ class WaveRunner:
         state = jax.device_get(dataclasses.replace(state, cache=None, proposer=None, counts=None))
         if state.adapt is not None:
             steps = int(state.steps)
-            self.traces.append(WaveTrace(len(state.lengths), state.adapt.k_per_step[:steps].tolist(),
-                                         state.adapt.live_per_step[:steps].tolist()))
+            self.traces.append(_wave_trace(len(state.lengths), state.adapt, steps))
         return _unpack(state, wave, self.vocab_size)
 
     def _pack(self, wave: Sequence[Request],
@@ -339,6 +338,12 @@ def _spec_key(wave: Sequence[Request], rows: RowParams, vocab_size: int) -> tupl
     asked = [_num_top(r.params.prompt_logprobs, vocab_size) for r in wave if r.params.prompt_logprobs is not None]
     greedy = bool(np.all(rows.temperature < GREEDY_TEMPERATURE_EPS))
     return n_top, greedy, ranks, max(asked) if asked else None
+
+
+def _wave_trace(slots: int, adapt, steps: int) -> WaveTrace:
+    """The record of an adaptive wave that ran `steps` iterations."""
+    return WaveTrace(slots, adapt.k_per_step[:steps].tolist(), adapt.live_per_step[:steps].tolist(),
+                     adapt.shadow_per_step[:steps].tolist())
 
 
 def _progress(state: LoopState, n_rows: int) -> WaveChunk:
