@@ -13,7 +13,8 @@ rates alternate every P steps between 0.9 at every position and 0.1 then 0 (a dr
 wrong), against the best single fixed k and against the oracle that takes each phase's best k. `--deepen P`:
 every P steps between first drafts right and later ones wrong (0.9, 0.1, 0) and every draft right (0.9 each): a
 drafter whose deeper drafts come good while k = 1 runs, positions the loop only measures when a deeper tier runs.
-`--calls N`: N calls of `--steps` steps each, each from the optimistic start (as an engine's calls run).
+`--calls N`: N calls of `--steps` steps each, each from the last one's rates as an engine's calls run
+(adaptive.PolicyInputs.start; the first from the optimistic start).
 `--full-step-rows N` / `--optimistic-verdicts V` override adaptive.FULL_STEP_ROWS / OPTIMISTIC_VERDICTS (1 and
 1e9: every step weighs alike from the start, the rule before either existed); `--plain-margin-se Z`
 adaptive.PLAIN_MARGIN_SE (0: plain on the running rates alone, the rule before it).
@@ -47,17 +48,17 @@ def tokens_per_step(rates) -> np.ndarray:
 
 def simulate(rows: int, phases: list, period: int, costs: np.ndarray, steps: int, seed: int, calls: int = 1,
              draft_cost: float = 0.04):
-    """Tokens per unit time of auto over `calls` calls of `steps` steps, each from the optimistic start (rates
-    phases[(step // period) % len], the step counted over the whole run), and steps per k, shadows last."""
+    """Tokens per unit time of auto over `calls` calls of `steps` steps, each starting from the last one's rates
+    (rates phases[(step // period) % len], the step counted over the whole run), and steps per k, shadows last."""
     policy = SpeculationPolicy("auto", TIERS)
     choose = jax.jit(adaptive.choose_tier, static_argnums=2)
     record = jax.jit(adaptive.record, static_argnums=(2, 8))
     rng = np.random.default_rng(seed)
     tokens = seconds = 0.0
     ran = np.zeros(len(TIERS) + 1, int)
-    done = 0
+    done, start = 0, None
     for call in range(calls):
-        state = adaptive.init_adapt(TIERS[-1], 1, adaptive.policy_inputs(costs))
+        state = adaptive.init_adapt(TIERS[-1], 1, adaptive.PolicyInputs(jnp.asarray(costs), jnp.asarray(-1), start))
         end = (call + 1) * steps
         while done < end:
             tier, shadow, segment, state = choose(state, jnp.asarray(rows), policy)
@@ -71,6 +72,7 @@ def simulate(rows: int, phases: list, period: int, costs: np.ndarray, steps: int
                                adaptive.SEGMENT if shadow else segment, shadow)
                 ran[-1 if shadow else k] += 1
                 done += 1
+        start = state.acceptance
     return tokens / seconds, ran
 
 

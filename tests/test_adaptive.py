@@ -865,6 +865,35 @@ def test_auto_calibrates_a_shape_once_and_stores_it(tiny_dir, default_model_dir,
     np.testing.assert_allclose(again._runner.step_costs(), list(stored.values()), rtol=1e-6)   # what it weighed
 
 
+def test_an_engines_next_call_starts_from_its_last_calls_rates(tiny_dir, default_model_dir, workload, monkeypatch,
+                                                              tmp_path):
+    """A call's loop starts from the running rates the engine's last call ended with, counted as the optimistic
+    start is (so its first probe's verdicts replace them); calibration, the first call and the next share one
+    executable."""
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "speculation_policy": "auto"}
+    prompts, params = workload[0][:SLOTS], workload[1][:SLOTS]
+    llm = _llm(tiny_dir, default_model_dir, spec)
+    runner, passed = llm._runner, []
+    generate_fn = runner.generate_fn
+
+    def recording(*key):
+        fn = generate_fn(*key)
+        return mock.Mock(side_effect=lambda *args: passed.append(args[-1]) or fn(*args))
+
+    monkeypatch.setattr(runner, "generate_fn", recording)
+    llm.generate(prompts, params, use_tqdm=False)   # calibrates, then runs
+    first = runner.start_rates
+    assert first.shape == (K,) and np.any(first < 1)
+    assert all(np.array_equal(p.start, np.ones(K)) for p in passed)
+    llm.generate(prompts, params, use_tqdm=False)
+    np.testing.assert_array_equal(passed[-1].start, first)
+    assert runner._compiled[next(iter(runner._compiled))]._cache_size() == 1
+    state = adaptive.init_adapt(K, 8, passed[-1])
+    np.testing.assert_array_equal(state.acceptance, first)
+    np.testing.assert_array_equal(state.verdicts, np.full(K, adaptive.OPTIMISTIC_VERDICTS))
+
+
 def test_admission_calibrates_on_its_own_program(tiny_dir, default_model_dir, workload, plain_tokens, monkeypatch,
                                                 tmp_path):
     """Under continuous admission the step times are measured on the admitting loop itself (a queue of only the

@@ -71,6 +71,9 @@ class PolicyInputs:
     """What the host hands an adaptive loop, traced (changing it does not recompile)."""
     step_costs: jax.Array    # f32 [n_tiers]: each tier's step time, relative units
     forced_tier: jax.Array   # i32 []: run this tier every iteration (calibration); -1 = choose
+    # f32 [k_max]: the running rates the loop starts from, weighed as the optimistic start is (an engine passes
+    # its last call's: test_an_engines_next_call_starts_from_its_last_calls_rates); None: every draft accepted
+    start: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -112,11 +115,13 @@ def policy_inputs(step_costs, forced_tier: int = -1) -> PolicyInputs:
 
 
 def init_adapt(k_max: int, max_steps: int, inputs: PolicyInputs) -> AdaptState:
-    """Optimistic rates at first (every draft accepted) and a probe due, so the loop speculates and measures
-    before it judges, for a probe's steps (one at many rows) rather than a segment's: where speculation loses, a
-    whole segment of the largest tier at the start was about half of what auto lost to plain decoding at 128 rows
-    (benchmarks/RESULTS.md, "The first choice a probe")."""
-    return AdaptState(acceptance=jnp.ones((k_max,), jnp.float32),
+    """Optimistic rates at first (every draft accepted, or inputs.start), counted as OPTIMISTIC_VERDICTS, and a
+    probe due, so the loop speculates and measures before it judges, for a probe's steps (one at many rows) rather
+    than a segment's: where speculation loses, a whole segment of the largest tier at the start was about half of
+    what auto lost to plain decoding at 128 rows (benchmarks/RESULTS.md, "The first choice a probe"). A start from
+    the last call's rates weighs no more than the optimistic one, so the first probe's verdicts replace it."""
+    start = jnp.ones((k_max,), jnp.float32) if inputs.start is None else jnp.asarray(inputs.start, jnp.float32)
+    return AdaptState(acceptance=start,
                       verdicts=jnp.full((k_max,), OPTIMISTIC_VERDICTS, jnp.float32),
                       support=jnp.full((k_max,), OPTIMISTIC_VERDICTS, jnp.float32),
                       plain_run=jnp.asarray(PROBE_EVERY, jnp.int32),

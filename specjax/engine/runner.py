@@ -107,6 +107,8 @@ class WaveRunner:
         self.cost_key = cost_key
         self.step_cost_store = StepCostStore(cache_root() / "step_costs.json")
         self._step_costs: dict[str, PolicyInputs] = {}   # this engine's, by shape: the file is read once each
+        # The running acceptance the last adaptive call ended with, where the next one starts (PolicyInputs.start).
+        self.start_rates: np.ndarray | None = None
         self.traces: list[WaveTrace] = []       # adaptive waves' records, in the order they ran
         self.queue_traces: list[QueueTrace] = []   # continuous admission's runs, in the order they ran
         self._admitting: dict[tuple, Any] = {}   # LoopSpec fields -> jitted admitting generate
@@ -123,7 +125,7 @@ class WaveRunner:
 
         def run(policy, rows):
             return fn(self.target_state, self.draft_state, prompts, lengths, rows, cache_len, self.synthetic_rates,
-                      policy)
+                      self._started(policy))
 
         state = run(self._policy_inputs(run, key, rows, lengths, cache_len), rows)
         return self._results(state, wave)
@@ -154,7 +156,7 @@ class WaveRunner:
 
         def run(policy, r, size):
             return admitting(self.target_state, self.draft_state, Queue(prompts, lengths, r, np.int32(size)), slots,
-                             cache_len, record_len, self.synthetic_rates, policy)
+                             cache_len, record_len, self.synthetic_rates, self._started(policy))
 
         # Calibration times this very program over the first `slots` requests alone (a queue that admits no
         # more), so it compiles nothing else.
@@ -166,6 +168,7 @@ class WaveRunner:
         self.queue_traces.append(QueueTrace(slots, len(requests), steps, out.busy.tolist(), int(out.admissions)))
         if out.adapt is not None:
             self.traces.append(_wave_trace(slots, out.adapt, steps))
+            self.start_rates = np.asarray(out.adapt.acceptance)
         return _unpack(out.results, requests, self.vocab_size)
 
     def stream_wave(self, wave: Sequence[Request], stream_interval: int) -> Iterator[WaveChunk]:
@@ -181,7 +184,7 @@ class WaveRunner:
         prefill, advance = self.stream_fns(*key)
         policy = self._policy_inputs(lambda p, r: self._run_streamed(prefill, advance, prompts, lengths, r,
                                                                      cache_len, p), key, rows, lengths, cache_len)
-        state = prefill(self.target_state, self.draft_state, prompts, lengths, rows, cache_len, policy)
+        state = prefill(self.target_state, self.draft_state, prompts, lengths, rows, cache_len, self._started(policy))
         interval = np.int32(stream_interval)
         while True:
             chunk = _progress(state, len(wave))
@@ -193,7 +196,7 @@ class WaveRunner:
 
     def _run_streamed(self, prefill, advance, prompts, lengths, rows, cache_len, policy) -> LoopState:
         """The stream functions run to the end in one chunk (what calibrating a streamed loop times)."""
-        state = prefill(self.target_state, self.draft_state, prompts, lengths, rows, cache_len, policy)
+        state = prefill(self.target_state, self.draft_state, prompts, lengths, rows, cache_len, self._started(policy))
         return advance(self.target_state, self.draft_state, state, rows, np.int32(cache_len), self.synthetic_rates)
 
     def _policy_inputs(self, run, key: tuple, rows: RowParams, lengths: np.ndarray,
@@ -218,6 +221,15 @@ class WaveRunner:
                 self.step_cost_store.put(store_key, costs)
             self._step_costs[store_key] = policy_inputs(np.asarray(costs, np.float32))
         return self._step_costs[store_key]
+
+    def _started(self, policy: PolicyInputs | None) -> PolicyInputs | None:
+        """policy starting from the last adaptive call's running rates (every draft accepted before the first),
+        always as an array, so that the first call, later ones and calibration's runs share one executable
+        (benchmarks/RESULTS.md, "Shadow drafts": "A call starts from the last one's rates")."""
+        if policy is None:
+            return None
+        start = np.ones(self.proposer.k, np.float32) if self.start_rates is None else self.start_rates
+        return dataclasses.replace(policy, start=start)
 
     def step_costs(self) -> list[list[float]]:
         """The step times auto has weighed tiers by so far, one list (a time per tier) for each batch shape."""
@@ -269,6 +281,7 @@ class WaveRunner:
         if state.adapt is not None:
             steps = int(state.steps)
             self.traces.append(_wave_trace(len(state.lengths), state.adapt, steps))
+            self.start_rates = np.asarray(state.adapt.acceptance)
         return _unpack(state, wave, self.vocab_size)
 
     def _pack(self, wave: Sequence[Request],
