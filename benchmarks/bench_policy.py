@@ -2,9 +2,9 @@
 Bernoulli acceptance at given conditional rates and per-tier step times, so that what the policy loses to the
 best fixed k shows apart from what the GPU does (issue 26).
 
-    PYTHONPATH=. python benchmarks/bench_policy.py [--costs 0.899,0.971,1.027,1.120] [--draft-cost 0.04] [--rows 1,2,4,8,32]
-        [--steps 2000] [--calls 1] [--seeds 3] [--switch 32,128,512] [--deepen 128,512] [--full-step-rows N]
-        [--optimistic-verdicts V] [--plain-margin-se Z] [--smoke]
+    PYTHONPATH=. python benchmarks/bench_policy.py [--costs 0.899,0.971,1.027,1.120] [--draft-cost 0.04]
+        [--rows 1,2,4,8,32] [--steps 2000] [--calls 1] [--seeds 3] [--switch 32,128,512] [--deepen 128,512]
+        [--full-step-rows N] [--optimistic-verdicts V] [--plain-margin-se Z] [--smoke]
 
 Every row is live for the whole run and has room for every draft. Stationary cases: the synthetic acceptance
 lengths of bench_sweep.py (vLLM's schedule: AL 1.2 = rates 0.2, 0, 0; AL 1.1 and 1.15, where plain decoding wins
@@ -20,7 +20,8 @@ drafter whose deeper drafts come good while k = 1 runs, positions the loop only 
 adaptive.PLAIN_MARGIN_SE (0: plain on the running rates alone, the rule before it).
 A shadow step (adaptive.py) costs its tier's step time and `--draft-cost` (one draft step; assumed, not measured).
 Prints auto's tokens per unit time over the best fixed k's expectation (mean, min-max over seeds) and the steps
-it ran at each k, then its shadow steps (first seed), and writes them to $OUT/bench_policy.json. `--smoke`: one row, 16 steps, one seed.
+it ran at each k, then its shadow steps (first seed), and writes them to $OUT/bench_policy.json. `--smoke`: one
+row, 16 steps, one seed.
 """
 from __future__ import annotations
 

@@ -7,8 +7,8 @@
 
 prompt_tokens [B, P] int32 right-padded, prompt_lengths [B] int32 (1 <= length <= P). Returns tokens [B, S]
 (prompt then generated tokens; slots at or beyond lengths[b] are garbage), lengths [B] and a dict of
-per-row speculative counters (with an adaptive speculation_policy, also "k_per_step",
-"live_per_step" and "shadow_per_step", one entry per loop iteration, zero past the last). Every row uses `sampling_params`; each
+per-row speculative counters (with an adaptive speculation_policy, also "k_per_step", "live_per_step" and
+"shadow_per_step", one entry per loop iteration, zero past the last). Every row uses `sampling_params`; each
 row's seed is drawn from `rng`. Stop strings are matched on text and so are the host's job: only token-level
 stops apply here. `slots`: decode at most that many rows at once, the next rows admitted as rows finish
 (engine/admission.py); the outputs are the same, row for row.

@@ -356,8 +356,8 @@ def test_a_shadows_verdicts_only_raise_the_position_above_its_tier():
     np.testing.assert_array_equal([bad.acceptance[1:], bad.verdicts[1:], bad.support[1:]],
                                   [state.acceptance[1:], state.verdicts[1:], state.support[1:]])
     assert int(ordinary.shallow_run) == 1 and ordinary.shadow_per_step[0] == 0
-    deepest = adaptive.record(ordinary, jnp.asarray(2), 3, jnp.asarray(8), jnp.full((8,), 3), jnp.zeros((8,), jnp.int32),
-                              active)
+    deepest = adaptive.record(ordinary, jnp.asarray(2), 3, jnp.asarray(8), jnp.full((8,), 3),
+                              jnp.zeros((8,), jnp.int32), active)
     assert int(deepest.shallow_run) == 0
 
 
@@ -638,7 +638,8 @@ def test_a_shadow_step_commits_its_tiers_tokens_and_counts_its_own_draft(tiny_di
     same next step; the shadow's second draft (verified at the bonus position) counts only in its verdicts. A draft
     model drafting for itself has every draft accepted, the shadow's too."""
     drafter = {"draft_model": {"model": str(tiny_dir)}, "eagle3": {"model": str(eagle3_head)}}[method]
-    runner = _llm(tiny_dir, default_model_dir, {"method": method, "num_speculative_tokens": K, **drafter, **AUTO})._runner
+    spec = {"method": method, "num_speculative_tokens": K, **drafter, **AUTO}
+    runner = _llm(tiny_dir, default_model_dir, spec)._runner
     loop_spec, state, target = _prefilled(runner, True)
 
     def tier_1(shadow: bool):

@@ -22,11 +22,10 @@ Likewise a speculative tier below k_max does not measure the position above it, 
 would go unseen while a shallow tier runs. Every so often its segment is a shadow: it drafts one token more and
 verifies that draft at the bonus position, as rejection sampling would, without widening the verify pass. It emits
 what the tier emits (the last token, the draft accepted or the residual drawn, is distributed as the bonus is),
-at the cost of one draft step; shadows come as often as keeps that extra cost near SHADOW_BUDGET of the
-step time. A
-shadow's verdict only raises the position's rate: below the tier every step measures, but above it a rate is a
-hope that the tier cannot re-measure, and a stale high one is what takes auto straight back to deep drafts when a
-drafter comes good again (benchmarks/RESULTS.md, "Shadow drafts").
+at the cost of one draft step; shadows come as often as keeps that extra cost near SHADOW_BUDGET of the step
+time. A shadow's verdict only raises the position's rate: below the tier every step measures, but above it a
+rate is a hope that the tier cannot re-measure, and a stale high one is what takes auto straight back to deep
+drafts when a drafter comes good again (benchmarks/RESULTS.md, "Shadow drafts").
 """
 from __future__ import annotations
 
@@ -89,8 +88,8 @@ class AdaptState:
     # position above (a plain step starts it again)
     shallow_run: jax.Array
     # i32 [S + 1, 3]: row i + 1 holds iteration i's k, live rows and whether it was a shadow (row 0 unused), one
-    # array so that a step writes once, at the loop's count after it: the count before it, read beside the count's in-place update,
-    # made XLA copy it every step.
+    # array so that a step writes once, at the loop's count after it: the count before it, read beside the count's
+    # in-place update, made XLA copy it every step.
     per_step: jax.Array
     inputs: PolicyInputs
 
