@@ -94,8 +94,9 @@ def speculative_engines(modes: list[str], k_max: int, al: float, method: str, sl
     ("fixed": each k of `fixed` above 0, by default every k from 1 to k_max).
     "forced": the adaptive loop held at each k of `fixed` (by default every k from 0 to k_max) by a table, k = 0
     its plain tier, so that its machinery's cost shows apart from the policy's choices. Its first row covers every
-    live count; rows beyond the slots (never matched) give it auto's tiers, so that it compiles auto's very loop
-    and differs from it only in the choice."""
+    live count; rows beyond the slots (never matched) give it auto's tiers, so that it compiles auto's loop and
+    differs from it only in the choice and in auto's shadow segments (adaptive.segment_kinds), two more loops of
+    k <= 3 that cost a predicate each where they do not run."""
     def spec(k: int, policy: str, **extra) -> dict:
         return {"method": method, "model": "random", "num_speculative_tokens": k, "speculation_policy": policy,
                 "rejection_sample_method": "synthetic", "synthetic_acceptance_length": min(al, k + 1), **extra}
