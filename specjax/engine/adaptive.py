@@ -157,7 +157,7 @@ def choose_tier(adapt: AdaptState, live: jax.Array,
         probing = (adapt.plain_run >= adapt.probe_gap) & (adapt.inputs.forced_tier < 0)
         gap = jnp.where(probing, jnp.minimum(2 * adapt.probe_gap, PROBE_MAX),
                         jnp.where(speculation_wins, PROBE_EVERY, adapt.probe_gap))
-        probe_steps = jnp.clip(-(-PROBE_SAMPLES // jnp.maximum(live, 1)), 1, PROBE_MAX_STEPS).astype(jnp.int32)
+        probe_steps = _steps_for_samples(live, PROBE_MAX_STEPS)
         # Plain steps record no verdicts, so a plain tier chosen on its merits stays the choice until a probe is
         # due: one segment runs until then, and its choice's work is paid once for all of those steps.
         until_probe = jnp.maximum(adapt.probe_gap - adapt.plain_run, SEGMENT)
@@ -185,9 +185,14 @@ def _shadow_due(adapt: AdaptState, tier: jax.Array, live: jax.Array,
     ks, costs = jnp.asarray(tiers), adapt.inputs.step_costs
     deeper = jnp.minimum(tier + 1, len(tiers) - 1)
     per_draft = jnp.maximum(costs[deeper] - costs[tier], 0.0) / jnp.maximum(ks[deeper] - ks[tier], 1)
-    steps = jnp.clip(-(-PROBE_SAMPLES // jnp.maximum(live, 1)), 1, SEGMENT).astype(jnp.int32)
+    steps = _steps_for_samples(live, SEGMENT)
     gap = steps * per_draft / (SHADOW_BUDGET * costs[tier])
     return (ks[tier] > 0) & (ks[tier] < tiers[-1]) & (adapt.shallow_run >= gap), steps
+
+
+def _steps_for_samples(live: jax.Array, most: int) -> jax.Array:
+    """Steps of `live` rows that verify about PROBE_SAMPLES first drafts: one at many rows, at most `most`."""
+    return jnp.clip(-(-PROBE_SAMPLES // jnp.maximum(live, 1)), 1, most).astype(jnp.int32)
 
 
 def _best_tier(adapt: AdaptState, tiers: tuple[int, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -327,7 +327,8 @@ def _tree_step(target, proposer: Proposer, draft_state, rows: RowParams, spec: L
                                     steps=state.steps + 1)
         state = _commit(state, out, accepted + 1, _along(raw_logits, kept), rows, spec)
         captured = None if aux.captured is None else _along(aux.captured, kept)
-        return _observe(proposer, draft_state, state, TargetPass(_along(hidden, kept), captured, start), rows), accepted
+        passed = TargetPass(_along(hidden, kept), captured, start)
+        return _observe(proposer, draft_state, state, passed, rows), accepted
 
     return step
 

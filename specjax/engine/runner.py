@@ -167,8 +167,7 @@ class WaveRunner:
         steps = int(out.steps)
         self.queue_traces.append(QueueTrace(slots, len(requests), steps, out.busy.tolist(), int(out.admissions)))
         if out.adapt is not None:
-            self.traces.append(_wave_trace(slots, out.adapt, steps))
-            self.start_rates = np.asarray(out.adapt.acceptance)
+            self._keep_adaptive_record(slots, out.adapt, steps)
         return _unpack(out.results, requests, self.vocab_size)
 
     def stream_wave(self, wave: Sequence[Request], stream_interval: int) -> Iterator[WaveChunk]:
@@ -184,7 +183,8 @@ class WaveRunner:
         prefill, advance = self.stream_fns(*key)
         policy = self._policy_inputs(lambda p, r: self._run_streamed(prefill, advance, prompts, lengths, r,
                                                                      cache_len, p), key, rows, lengths, cache_len)
-        state = prefill(self.target_state, self.draft_state, prompts, lengths, rows, cache_len, self._started(policy))
+        state = prefill(self.target_state, self.draft_state, prompts, lengths, rows, cache_len,
+                        self._started(policy))
         interval = np.int32(stream_interval)
         while True:
             chunk = _progress(state, len(wave))
@@ -196,7 +196,8 @@ class WaveRunner:
 
     def _run_streamed(self, prefill, advance, prompts, lengths, rows, cache_len, policy) -> LoopState:
         """The stream functions run to the end in one chunk (what calibrating a streamed loop times)."""
-        state = prefill(self.target_state, self.draft_state, prompts, lengths, rows, cache_len, self._started(policy))
+        state = prefill(self.target_state, self.draft_state, prompts, lengths, rows, cache_len,
+                        self._started(policy))
         return advance(self.target_state, self.draft_state, state, rows, np.int32(cache_len), self.synthetic_rates)
 
     def _policy_inputs(self, run, key: tuple, rows: RowParams, lengths: np.ndarray,
@@ -230,6 +231,12 @@ class WaveRunner:
             return None
         start = np.ones(self.proposer.k, np.float32) if self.start_rates is None else self.start_rates
         return dataclasses.replace(policy, start=start)
+
+    def _keep_adaptive_record(self, slots: int, adapt, steps: int) -> None:
+        """After an adaptive run of `steps` iterations: its trace, and its final rates for the next call."""
+        self.traces.append(WaveTrace(slots, adapt.k_per_step[:steps].tolist(), adapt.live_per_step[:steps].tolist(),
+                                     adapt.shadow_per_step[:steps].tolist()))
+        self.start_rates = np.asarray(adapt.acceptance)
 
     def step_costs(self) -> list[list[float]]:
         """The step times auto has weighed tiers by so far, one list (a time per tier) for each batch shape."""
@@ -279,9 +286,7 @@ class WaveRunner:
         # one process when the mesh spans hosts).
         state = jax.device_get(dataclasses.replace(state, cache=None, proposer=None, counts=None))
         if state.adapt is not None:
-            steps = int(state.steps)
-            self.traces.append(_wave_trace(len(state.lengths), state.adapt, steps))
-            self.start_rates = np.asarray(state.adapt.acceptance)
+            self._keep_adaptive_record(len(state.lengths), state.adapt, int(state.steps))
         return _unpack(state, wave, self.vocab_size)
 
     def _pack(self, wave: Sequence[Request],
@@ -351,12 +356,6 @@ def _spec_key(wave: Sequence[Request], rows: RowParams, vocab_size: int) -> tupl
     asked = [_num_top(r.params.prompt_logprobs, vocab_size) for r in wave if r.params.prompt_logprobs is not None]
     greedy = bool(np.all(rows.temperature < GREEDY_TEMPERATURE_EPS))
     return n_top, greedy, ranks, max(asked) if asked else None
-
-
-def _wave_trace(slots: int, adapt, steps: int) -> WaveTrace:
-    """The record of an adaptive wave that ran `steps` iterations."""
-    return WaveTrace(slots, adapt.k_per_step[:steps].tolist(), adapt.live_per_step[:steps].tolist(),
-                     adapt.shadow_per_step[:steps].tolist())
 
 
 def _progress(state: LoopState, n_rows: int) -> WaveChunk:
