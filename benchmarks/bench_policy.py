@@ -70,7 +70,7 @@ def simulate(rows: int, phases: list, period: int, costs: np.ndarray, steps: int
                 seconds += costs[k] + shadow * draft_cost
                 state = record(state, jnp.asarray(1), k, jnp.asarray(rows), jnp.full((rows,), k + shadow),
                                jnp.asarray(accepted, jnp.int32), jnp.ones((rows,), bool),
-                               adaptive.SEGMENT if shadow else segment, shadow)
+                               segment, shadow)
                 ran[-1 if shadow else k] += 1
                 done += 1
         start = state.acceptance

@@ -359,6 +359,10 @@ def test_a_shadows_verdicts_only_raise_the_position_above_its_tier():
     deepest = adaptive.record(ordinary, jnp.asarray(2), 3, jnp.asarray(8), jnp.full((8,), 3),
                               jnp.zeros((8,), jnp.int32), active)
     assert int(deepest.shallow_run) == 0
+    # A shadow of one step (many rows) weighs as a whole segment, as the tier's own steps do.
+    one_step = adaptive.record(state, jnp.asarray(1), 1, jnp.asarray(8), offered, jnp.full((8,), 2, jnp.int32),
+                               active, 1, True)
+    np.testing.assert_allclose(one_step.acceptance, good.acceptance, rtol=1e-6)
 
 
 def test_drafts_that_come_good_deeper_are_followed_there():

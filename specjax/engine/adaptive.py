@@ -242,9 +242,11 @@ def record(adapt: AdaptState, steps_run: jax.Array, k: int, live: jax.Array, off
     the iterations run so far, this one included, offered [B] the positions each row's verify pass had room for
     (a position without a draft counts as rejected), accepted [B] the drafts it accepted (a shadow's own
     included), active [B] the rows that were running, segment_steps the length of the segment it belongs to
-    (step_weight), shadow (static) whether it drafted k + 1 to measure position k + 1."""
+    (step_weight), shadow (static) whether it drafted k + 1 to measure position k + 1: its steps weigh as a whole
+    segment's, the tier's own (its verdicts below the shadow position are ordinary ones), however few it ran."""
     if k > 0:
-        adapt = _with_verdicts(adapt, offered, accepted, active, segment_steps, k if shadow else None)
+        weighed_as = SEGMENT if shadow else segment_steps
+        adapt = _with_verdicts(adapt, offered, accepted, active, weighed_as, k if shadow else None)
     slot = jnp.minimum(steps_run, adapt.per_step.shape[0] - 1)
     shallow = 0 < k < adapt.acceptance.shape[0] and not shadow
     row = jnp.stack([jnp.asarray(k, jnp.int32), live, jnp.asarray(shadow, jnp.int32)])

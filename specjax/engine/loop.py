@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from specjax.config.speculation_policy import SpeculationPolicy
 from specjax.engine import sampling
-from specjax.engine.adaptive import SEGMENT, PolicyInputs, choose_tier, init_adapt, record, segment_kinds
+from specjax.engine.adaptive import PolicyInputs, choose_tier, init_adapt, record, segment_kinds
 from specjax.engine.draft_tree import DraftTree
 from specjax.engine.proposers.base import Proposer, TargetPass
 from specjax.engine.rejection import rejection_sample
@@ -224,10 +224,8 @@ def _body_fn(target, proposer, draft_state, rows: RowParams, spec: LoopSpec, syn
             return dataclasses.replace(state, adapt=adapt)
 
         def run(state: LoopState, chosen: jax.Array, steps: jax.Array, end: jax.Array) -> LoopState:
-            # A shadow's steps weigh as the tier's own: its verdicts below the shadow position are ordinary ones.
-            weight = SEGMENT if shadow else steps
             return jax.lax.while_loop(lambda s: chosen & running(s) & (s.steps < end),
-                                      lambda s: recorded_step(s, weight), state)
+                                      lambda s: recorded_step(s, steps), state)
 
         return run
 
