@@ -852,6 +852,33 @@ def test_calibration_on_a_quiet_machine_runs_each_tier_twice(monkeypatch):
     assert len(calls) == 1 + 2 * 4
 
 
+def test_calibration_goes_on_until_each_fastest_time_is_seen_twice(monkeypatch):
+    """Plain decoding's run is 5% slow in the first round and 10% in the second, every other run quiet: the second
+    round lowers no fastest time, but plain's is not yet seen twice, so the rounds go on until its quiet time is,
+    and plain's cost is its quiet slope (plain's step rounded up is what made deeper tiers look cheap)."""
+    import types
+
+    now, calls = [0.0], []
+
+    class State:
+        def __init__(self, steps):
+            self.steps = np.int32(steps)
+
+    def run(inputs, rows):
+        steps, tier = int(np.max(rows.max_tokens)), int(inputs.forced_tier)
+        seconds = 0.005 + steps * (tier + 1) * 1e-3
+        spell = (1.05, 1.1) if tier == 0 and steps > 1 else ()
+        seen = calls.count((tier, steps))
+        now[0] += seconds * (spell[seen] if seen < len(spell) else 1.0)
+        calls.append((tier, steps))
+        return State(steps)
+
+    monkeypatch.setattr(calibration, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    costs = calibration.measure_step_costs(run, _rows(2), 3, room=32)
+    np.testing.assert_allclose(costs, [(32 * (tier + 1) - 1) * 1e-3 / 31 for tier in range(3)], rtol=1e-9)
+    assert calls.count((0, 32)) == 4   # the compiling run is (0, 1): rounds 3 and 4 confirm plain's quiet time
+
+
 def test_auto_calibrates_a_shape_once_and_stores_it(tiny_dir, default_model_dir, workload, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
     spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "speculation_policy": "auto"}
