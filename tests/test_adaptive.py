@@ -828,24 +828,32 @@ def test_step_times_are_the_slope_over_iterations():
     assert calibration.measure_step_costs(run, _rows(2), 3, room=2) == (1.0, 1.0, 1.0)
 
 
-def test_calibration_on_a_quiet_machine_runs_each_tier_twice(monkeypatch):
-    """A compiling run, then two timed rounds of the one-token run (the fixed costs, shared by every tier) and
-    one run per tier, when the second round leaves every time where the first put it."""
+def _clocked_loop(monkeypatch, slow: dict | None = None):
+    """A fake compiled loop on calibration's clock: a run of tier t for n tokens takes 5 ms + n (t + 1) ms, times
+    slow[(t, n)][i] on its i-th call where given. Returns run(inputs, rows) and the (tier, tokens) of each call."""
     import types
 
-    now, calls = [0.0], []
+    now, calls, slow = [0.0], [], slow or {}
 
     class State:
         def __init__(self, steps):
             self.steps = np.int32(steps)
 
     def run(inputs, rows):
-        steps = int(np.max(rows.max_tokens))
-        now[0] += 0.005 + steps * (int(inputs.forced_tier) + 1) * 1e-3
-        calls.append((int(inputs.forced_tier), steps))
-        return State(steps)
+        case = (int(inputs.forced_tier), int(np.max(rows.max_tokens)))
+        spell, seen = slow.get(case, ()), calls.count(case)
+        now[0] += (0.005 + case[1] * (case[0] + 1) * 1e-3) * (spell[seen] if seen < len(spell) else 1.0)
+        calls.append(case)
+        return State(case[1])
 
     monkeypatch.setattr(calibration, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    return run, calls
+
+
+def test_calibration_on_a_quiet_machine_runs_each_tier_twice(monkeypatch):
+    """A compiling run, then two timed rounds of the one-token run (the fixed costs, shared by every tier) and
+    one run per tier, when the second round leaves every time where the first put it."""
+    run, calls = _clocked_loop(monkeypatch)
     costs = calibration.measure_step_costs(run, _rows(2), 3, room=32)
     np.testing.assert_allclose(costs, [1e-3, 2e-3, 3e-3], rtol=0.05)
     assert sorted(set(calls)) == [(0, 1), (0, 32), (1, 32), (2, 32)]
@@ -856,24 +864,7 @@ def test_calibration_goes_on_until_each_fastest_time_is_seen_twice(monkeypatch):
     """Plain decoding's run is 5% slow in the first round and 10% in the second, every other run quiet: the second
     round lowers no fastest time, but plain's is not yet seen twice, so the rounds go on until its quiet time is,
     and plain's cost is its quiet slope (plain's step rounded up is what made deeper tiers look cheap)."""
-    import types
-
-    now, calls = [0.0], []
-
-    class State:
-        def __init__(self, steps):
-            self.steps = np.int32(steps)
-
-    def run(inputs, rows):
-        steps, tier = int(np.max(rows.max_tokens)), int(inputs.forced_tier)
-        seconds = 0.005 + steps * (tier + 1) * 1e-3
-        spell = (1.05, 1.1) if tier == 0 and steps > 1 else ()
-        seen = calls.count((tier, steps))
-        now[0] += seconds * (spell[seen] if seen < len(spell) else 1.0)
-        calls.append((tier, steps))
-        return State(steps)
-
-    monkeypatch.setattr(calibration, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    run, calls = _clocked_loop(monkeypatch, {(0, 32): (1.05, 1.1)})
     costs = calibration.measure_step_costs(run, _rows(2), 3, room=32)
     np.testing.assert_allclose(costs, [(32 * (tier + 1) - 1) * 1e-3 / 31 for tier in range(3)], rtol=1e-9)
     assert calls.count((0, 32)) == 4   # the compiling run is (0, 1): rounds 3 and 4 confirm plain's quiet time
